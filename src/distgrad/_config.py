@@ -1,0 +1,54 @@
+"""Every constant and environment variable distgrad reads, in one place.
+
+Timeouts follow torch's convention: seconds as floats, ``-1.0`` means "use the current
+default", ``0`` means "no timeout".
+"""
+
+from __future__ import annotations
+
+import os
+
+# --- torch.distributed.rpc.constants (same names and values as the reference) -------------
+DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
+DEFAULT_INIT_METHOD: str = "env://"
+DEFAULT_NUM_WORKER_THREADS: int = 16
+UNSET_RPC_TIMEOUT: float = -1.0
+DEFAULT_SHUTDOWN_TIMEOUT: float = 0
+
+# --- distgrad's own knobs -------------------------------------------------------------------
+#: Cluster secret for the connection handshake (bytes as UTF-8 text or ``hex:`` prefixed).
+ENV_SECRET = "DISTGRAD_SECRET"
+#: Address to listen on for TCP connections from other hosts (default: derived, see rendezvous).
+ENV_LISTEN_ADDR = "DISTGRAD_LISTEN_ADDR"
+#: Set to "0" to keep same-host traffic on TCP instead of Unix-domain sockets.
+ENV_UNIX_SOCKETS = "DISTGRAD_UNIX_SOCKETS"
+#: Set to "0" to use the standard asyncio loop even when uvloop is installed.
+ENV_UVLOOP = "DISTGRAD_UVLOOP"
+
+#: Default bound on one message (pickle stream plus all tensor buffers), in bytes.
+DEFAULT_MAX_MESSAGE_SIZE: int = 16 * 1024**3
+#: Heartbeats are sent on an otherwise idle connection every this many seconds.
+DEFAULT_HEARTBEAT_INTERVAL: float = 1.0
+#: A peer that has sent nothing (not even a heartbeat) for this long is declared dead.
+DEFAULT_PEER_TIMEOUT: float = 4.0
+#: A connection must finish its handshake within this many seconds.
+DEFAULT_HANDSHAKE_TIMEOUT: float = 10.0
+
+#: Tensor buffers at least this large are received straight into their own storage.
+DIRECT_RECV_THRESHOLD: int = 64 * 1024
+#: Size of each connection's staging buffer for small frames.
+RECV_STAGING_SIZE: int = 256 * 1024
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """Read a boolean environment variable ("0"/"false"/"no" are false)."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def env_str(name: str) -> str | None:
+    """Read a string environment variable; empty counts as unset."""
+    value = os.environ.get(name)
+    return value if value else None

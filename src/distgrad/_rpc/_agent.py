@@ -1,0 +1,479 @@
+"""The RPC agent: requests out, requests in, responses, timeouts, peer failure, shutdown.
+
+Threads, and what runs where:
+
+* the **caller's thread** pickles a request and writes it straight to the socket (no hop);
+  ``rpc_sync`` then sleeps on a lock and unpickles the response itself;
+* the **I/O thread** reads frames; a response is matched to its call and handed back to the
+  waiting caller (or, for ``rpc_async``, to the callback pool); a request goes to the worker
+  pool; it also fires timeouts and heartbeats;
+* the **worker pool** (``num_worker_threads``, elastic) unpickles requests, runs user
+  functions and writes their responses; nested RPCs from a user function just block that one
+  worker thread;
+* the **callback pool** completes ``rpc_async`` futures, so user callbacks (``then``,
+  ``add_done_callback``) never run on the I/O thread and may themselves make RPCs.
+
+A request and its response carry a pickled tuple: ``(func, args, kwargs, ext)`` and
+``(result, ext)``; ``ext`` is reserved for the layers above (autograd metadata, profiling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _config
+from .._errors import (
+    DistgradError,
+    PeerFailureError,
+    RpcShutdownError,
+    RpcTimeoutError,
+    rpc_timeout_message,
+)
+from .._transport._connection import Connection
+from .._transport._io import IoThread
+from .._transport._transport import (
+    FrameHandler,
+    LoopbackConnection,
+    PeerAddress,
+    Transport,
+    TransportConfig,
+    TransportStatistics,
+)
+from .._wire._frames import Frame, Kind, encode_frame
+from .._wire._pickler import dumps, loads
+from ._options import TensorPipeRpcBackendOptions
+from ._pool import ThreadPool
+from ._remote_error import error_payload, exception_from_payload
+from ._worker_info import WorkerInfo
+
+__all__ = ["RpcAgent", "current_agent", "set_current_agent"]
+
+_log = logging.getLogger("distgrad.rpc")
+_TICK = 0.02  # resolution of rpc_async timeouts, seconds
+
+AnyConnection = Connection | LoopbackConnection
+
+_UDF_MISSING = (
+    "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
+    "both caller and callee modules."
+)
+
+
+def _is_builtin(func: Any) -> bool:
+    from torch.jit._builtins import _find_builtin
+
+    try:
+        return _find_builtin(func) is not None
+    except Exception:
+        return False
+
+
+class _Call:
+    """One outgoing request waiting for its response."""
+
+    __slots__ = ("cid", "conn", "error", "frame", "future", "internal", "lock", "slot", "timeout")
+
+    def __init__(
+        self,
+        cid: int,
+        conn: AnyConnection,
+        timeout: float,
+        internal: bool,
+        future: torch.futures.Future[Any] | None,
+    ) -> None:
+        self.cid = cid
+        self.conn = conn
+        self.timeout = timeout
+        self.internal = internal
+        self.future = future
+        self.frame: Frame | None = None
+        self.error: BaseException | None = None
+        self.slot = 0
+        self.lock: threading.Lock | None = None
+        if future is None:
+            self.lock = threading.Lock()
+            self.lock.acquire()
+
+
+class RpcAgent(FrameHandler):
+    """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        options: TensorPipeRpcBackendOptions,
+    ) -> None:
+        self.worker_info = WorkerInfo(name, rank)
+        self.world_size = world_size
+        self.options = options
+        self.rpc_timeout = options.rpc_timeout
+        self._io = IoThread()
+        self._transport: Transport | None = None
+        self._by_name: dict[str, WorkerInfo] = {name: self.worker_info}
+        self._by_rank: dict[int, WorkerInfo] = {rank: self.worker_info}
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._active = 0
+        self._active_lock = threading.Lock()
+        self._wheel: dict[int, set[int]] = {}
+        self._wheel_lock = threading.Lock()
+        self._ticking = False
+        self._workers = ThreadPool("distgrad-worker", options.num_worker_threads)
+        self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads)
+        self._running = False
+        self._stopped = False
+        self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
+        self.shutdown_hooks: list[Callable[[], None]] = []
+
+    # -- start -----------------------------------------------------------------------------------
+    def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
+        """Start the I/O thread and listen; return the address to publish."""
+        opts = self.options
+        config = TransportConfig(
+            rank=self.worker_info.id,
+            world_size=self.world_size,
+            secret=secret,
+            max_message_size=opts.max_message_size,
+            heartbeat_interval=opts.heartbeat_interval,
+            peer_timeout=opts.peer_timeout,
+            handshake_timeout=_config.DEFAULT_HANDSHAKE_TIMEOUT,
+            connect_timeout=max(opts.rpc_timeout, _config.DEFAULT_HANDSHAKE_TIMEOUT)
+            if opts.rpc_timeout > 0
+            else _config.DEFAULT_HANDSHAKE_TIMEOUT,
+            use_unix_sockets=_config.env_flag(_config.ENV_UNIX_SOCKETS, True),
+            server_ssl=opts.server_ssl_context,
+            client_ssl=opts.client_ssl_context,
+        )
+        self._io.start()
+        self._transport = Transport(config, self._io, self, self._label)
+        return self._transport.listen(listen_host)
+
+    def set_peers(self, workers: list[WorkerInfo], addresses: dict[int, PeerAddress]) -> None:
+        for info in workers:
+            self._by_name[info.name] = info
+            self._by_rank[info.id] = info
+        assert self._transport is not None
+        self._transport.set_peers(addresses)
+        self._running = True
+
+    def _label(self, rank: int) -> str:
+        info = self._by_rank.get(rank)
+        return f"worker {info.name} (rank {rank})" if info else f"rank {rank}"
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def get_worker_info(self, to: str | int | None = None) -> WorkerInfo:
+        if to is None:
+            return self.worker_info
+        if isinstance(to, str):
+            info = self._by_name.get(to)
+            if info is None:
+                raise RuntimeError(
+                    f"name:{self.worker_info.name},rank:{self.worker_info.id} "
+                    f"could not find destination name {to}"
+                )
+            return info
+        info = self._by_rank.get(to)
+        if info is None:
+            raise RuntimeError(
+                f"name:{self.worker_info.name},rank:{self.worker_info.id} "
+                f"could not find destination id {to}"
+            )
+        return info
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return [self._by_rank[r] for r in sorted(self._by_rank)]
+
+    @property
+    def transport(self) -> Transport:
+        assert self._transport is not None
+        return self._transport
+
+    def statistics(self) -> TransportStatistics:
+        return self.transport.statistics()
+
+    # -- sending ---------------------------------------------------------------------------------
+    def _effective_timeout(self, timeout: float) -> float:
+        return self.rpc_timeout if timeout < 0 else timeout
+
+    def _send(
+        self,
+        dst: WorkerInfo,
+        payload: tuple[Any, ...],
+        timeout: float,
+        future: torch.futures.Future[Any] | None,
+        internal: bool,
+    ) -> tuple[int, _Call]:
+        if self._stopped:
+            raise RpcShutdownError(
+                f"Node {self.worker_info.id}tried to send() a message of type REQUEST "
+                "but RPC is no longer running on this node."
+            )
+        assert self._transport is not None
+        conn = self._transport.connection(dst.id)
+        meta, buffers = dumps(payload)
+        cid = next(self._ids)
+        call = _Call(cid, conn, self._effective_timeout(timeout), internal, future)
+        if not internal:
+            with self._active_lock:
+                self._active += 1
+        self._calls[cid] = call
+        try:
+            conn.send(encode_frame(Kind.REQUEST, cid, meta, buffers))
+        except BaseException:
+            if self._calls.pop(cid, None) is not None:
+                self._done(call)
+            raise
+        if conn.closed and self._calls.pop(cid, None) is not None:
+            self._done(call)
+            raise conn.broken_error()
+        return cid, call
+
+    def call_sync(
+        self,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        *,
+        ext: Any = None,
+        internal: bool = False,
+    ) -> Any:
+        """Send a request and wait for its result (raising remote errors)."""
+        cid, call = self._send(dst, (func, args, kwargs, ext), timeout, None, internal)
+        lock = call.lock
+        assert lock is not None
+        if call.timeout > 0:
+            if not lock.acquire(timeout=call.timeout):
+                if self._calls.pop(cid, None) is not None:
+                    self._done(call)
+                    raise RpcTimeoutError(rpc_timeout_message(call.timeout))
+                lock.acquire()  # completed while we timed out: take the result
+        else:
+            lock.acquire()
+        return self._result(call)
+
+    def call_async(
+        self,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        *,
+        ext: Any = None,
+        internal: bool = False,
+    ) -> torch.futures.Future[Any]:
+        """Send a request; return a ``torch.futures.Future`` of its result."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        cid, call = self._send(dst, (func, args, kwargs, ext), timeout, future, internal)
+        if call.timeout > 0:
+            self._arm_timeout(cid, call)
+        return future
+
+    def _result(self, call: _Call) -> Any:
+        if call.error is not None:
+            raise call.error
+        frame = call.frame
+        assert frame is not None
+        if frame.kind == Kind.ERROR:
+            message, tb, pickled_type = loads(frame.meta)
+            raise exception_from_payload(message, tb, pickled_type)
+        result, _ext = loads(frame.meta, frame.buffers)
+        return result
+
+    def _complete_future(self, call: _Call) -> None:
+        future = call.future
+        assert future is not None
+        try:
+            result = self._result(call)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def _finish(self, call: _Call) -> None:
+        """Hand a finished call (frame or error set) to whoever waits for it."""
+        self._done(call)
+        if call.lock is not None:
+            call.lock.release()
+        else:
+            self._callbacks.submit(self._complete_future, call)
+
+    def _done(self, call: _Call) -> None:
+        if call.slot:
+            with self._wheel_lock:
+                bucket = self._wheel.get(call.slot)
+                if bucket is not None:
+                    bucket.discard(call.cid)
+        if not call.internal:
+            with self._active_lock:
+                self._active -= 1
+
+    def active_calls(self) -> int:
+        """User calls from this worker still waiting for their response."""
+        return self._active
+
+    # -- timeouts of rpc_async -------------------------------------------------------------------
+    def _arm_timeout(self, cid: int, call: _Call) -> None:
+        slot = int((time.monotonic() + call.timeout) / _TICK) + 1
+        with self._wheel_lock:
+            if cid not in self._calls:
+                return
+            call.slot = slot
+            self._wheel.setdefault(slot, set()).add(cid)
+            start = not self._ticking
+            self._ticking = True
+        if start:
+            self._io.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        now_slot = int(time.monotonic() / _TICK)
+        expired: list[int] = []
+        with self._wheel_lock:
+            for slot in [s for s in self._wheel if s <= now_slot]:
+                expired.extend(self._wheel.pop(slot))
+            more = bool(self._wheel)
+            self._ticking = more and not self._stopped
+        for cid in expired:
+            call = self._calls.pop(cid, None)
+            if call is not None:
+                call.slot = 0
+                call.error = RpcTimeoutError(rpc_timeout_message(call.timeout))
+                self._finish(call)
+        if more and not self._stopped:
+            self._io.loop.call_later(_TICK, self._tick)
+
+    # -- receiving (I/O thread) ------------------------------------------------------------------
+    def on_frame(self, conn: AnyConnection, frame: Frame) -> None:
+        if frame.kind == Kind.REQUEST:
+            self._workers.submit(self._serve, conn, frame)
+            return
+        call = self._calls.pop(frame.message_id, None)
+        if call is None:
+            return  # the call timed out or was failed already; the late response is dropped
+        call.frame = frame
+        self._finish(call)
+
+    def on_connection_lost(self, conn: Connection, error: Exception) -> None:
+        for cid in [cid for cid, call in self._calls.items() if call.conn is conn]:
+            call = self._calls.pop(cid, None)
+            if call is not None:
+                call.error = PeerFailureError(str(error), conn.peer_label)
+                self._finish(call)
+
+    # -- serving (worker threads) ----------------------------------------------------------------
+    def _serve(self, conn: AnyConnection, frame: Frame) -> None:
+        try:
+            func, args, kwargs, _ext = loads(frame.meta, frame.buffers)
+        except (AttributeError, ImportError) as exc:
+            self._reply_error(conn, frame.message_id, RuntimeError(f"{_UDF_MISSING} ({exc!r})"))
+            return
+        except BaseException as exc:
+            self._reply_error(
+                conn, frame.message_id, RuntimeError(f"could not unpickle the request: {exc!r}")
+            )
+            return
+        del frame.buffers[:]
+        try:
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                self._serve_async(conn, frame.message_id, func, args, kwargs)
+                return
+            result = func(*args, **(kwargs or {}))
+        except BaseException as exc:
+            self._reply_error(conn, frame.message_id, exc, builtin=_is_builtin(func))
+            return
+        self._reply(conn, frame.message_id, result)
+
+    def _serve_async(
+        self, conn: AnyConnection, message_id: int, func: Any, args: Any, kwargs: Any
+    ) -> None:
+        future = func(*args, **(kwargs or {}))
+        if not isinstance(future, torch.futures.Future):
+            kind = type(future)
+            raise RuntimeError(
+                "Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
+            )
+
+        def respond(done: torch.futures.Future[Any]) -> None:
+            try:
+                result = done.value()
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            self._reply(conn, message_id, result)
+
+        future.add_done_callback(respond)
+
+    def _reply(self, conn: AnyConnection, message_id: int, result: Any) -> None:
+        try:
+            meta, buffers = dumps((result, None))
+        except BaseException as exc:
+            self._reply_error(conn, message_id, exc)
+            return
+        self._write(conn, encode_frame(Kind.RESPONSE, message_id, meta, buffers))
+
+    def _reply_error(
+        self, conn: AnyConnection, message_id: int, exc: BaseException, builtin: bool = False
+    ) -> None:
+        payload = error_payload(exc, str(self.worker_info), builtin)
+        self._write(conn, encode_frame(Kind.ERROR, message_id, dumps(payload)[0]))
+
+    def _write(self, conn: AnyConnection, pieces: list[Any]) -> None:
+        try:
+            conn.send(pieces)
+        except DistgradError as exc:
+            _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def wait_until_idle(self, deadline: float | None) -> None:
+        """Wait until no user call from this worker is in flight (or raise at ``deadline``)."""
+        while self._active > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RpcTimeoutError(
+                    f"{self._active} RPCs from {self.worker_info.name} still in flight at the "
+                    "shutdown timeout"
+                )
+            time.sleep(0.002)
+
+    def stop(self, graceful: bool) -> None:
+        """Close connections (flushing first when ``graceful``), fail what still waits, and end
+        every thread the agent owns. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._running = False
+        if self._transport is not None:
+            self._transport.close(graceful)
+        error = RpcShutdownError("RPC agent was shut down before the call completed")
+        for cid in list(self._calls):
+            call = self._calls.pop(cid, None)
+            if call is not None:
+                call.error = error
+                self._finish(call)
+        self._workers.stop()
+        self._callbacks.stop()
+        self._io.stop()
+        self.keepalive.clear()
+
+
+_current: RpcAgent | None = None
+
+
+def current_agent() -> RpcAgent | None:
+    return _current
+
+
+def set_current_agent(agent: RpcAgent | None) -> None:
+    global _current
+    _current = agent

@@ -1,0 +1,263 @@
+"""The public RPC functions (``distgrad.rpc`` re-exports them), shaped like torch's."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
+
+import torch
+
+from .. import _config
+from .._errors import RpcTimeoutError
+from . import _collectives, _rendezvous
+from ._agent import RpcAgent, current_agent, set_current_agent
+from ._options import (
+    BackendType,
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+    construct_rpc_backend_options,
+    is_backend_type,
+)
+from ._worker_info import WorkerInfo, validate_worker_name
+
+__all__ = [
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "wait_all",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+To = str | int | WorkerInfo
+
+_init_lock = threading.Lock()
+_init_counter = itertools.count()
+#: Callables run by ``init_rpc(rank)`` before the agent starts (dist autograd registers here).
+init_hooks: list[Callable[[int], None]] = []
+
+
+def _agent() -> RpcAgent:
+    agent = current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+        )
+    return agent
+
+
+def _require_initialized(func: F) -> F:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _agent()
+        return func(*args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+def _to_options(options: object) -> TensorPipeRpcBackendOptions:
+    """Accept our options, or torch's own TensorPipe options object (copied over)."""
+    if isinstance(options, TensorPipeRpcBackendOptions):
+        return options
+    converted = TensorPipeRpcBackendOptions(
+        num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
+        rpc_timeout=float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
+        init_method=str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
+    )
+    return converted
+
+
+def _is_options(options: object) -> bool:
+    if isinstance(options, RpcBackendOptions):
+        return True
+    torch_options = getattr(torch.distributed.rpc, "RpcBackendOptions", None)
+    return torch_options is not None and isinstance(options, torch_options)
+
+
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Start this worker's RPC agent and join the group (torch's ``init_rpc``).
+
+    Rendezvous uses ``rpc_backend_options.init_method`` (``env://`` by default: MASTER_ADDR,
+    MASTER_PORT, and RANK / WORLD_SIZE when not given). Returns when every worker of the
+    group has joined.
+    """
+    if backend is not None and not is_backend_type(backend):
+        raise TypeError("Argument backend must be a member of BackendType")
+    if rpc_backend_options is not None and not _is_options(rpc_backend_options):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+    if backend is None and rpc_backend_options is not None:
+        if not _is_options(rpc_backend_options):
+            raise TypeError(f"Could not infer backend for options {rpc_backend_options}")
+        backend = BackendType.TENSORPIPE
+    if backend is None:
+        backend = BackendType.TENSORPIPE
+    if rpc_backend_options is None:
+        rpc_backend_options = construct_rpc_backend_options(backend)
+    if backend.name == "TENSORPIPE" and not (
+        isinstance(rpc_backend_options, TensorPipeRpcBackendOptions)
+        or hasattr(rpc_backend_options, "num_worker_threads")
+    ):
+        raise TypeError(
+            "`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. "
+            f"{rpc_backend_options}"
+        )
+    options = _to_options(rpc_backend_options)
+    validate_worker_name(name)
+    with _init_lock:
+        if current_agent() is not None:
+            raise RuntimeError("RPC is already initialized")
+        timeout = _rendezvous.store_timeout(options.rpc_timeout)
+        store, rank, world_size, iterator = _rendezvous.open_store(
+            options.init_method, rank, world_size, timeout
+        )
+        store = torch.distributed.PrefixStore(f"rpc_prefix_{next(_init_counter)}", store)
+        for hook in init_hooks:
+            hook(rank)
+        agent = RpcAgent(name, rank, world_size, options)
+        agent.keepalive += [store, iterator]
+        try:
+            secret = _rendezvous.agree_secret(store, rank, options)
+            address = agent.start_transport(
+                secret, _rendezvous.listen_host(options.init_method, options)
+            )
+            workers, addresses = _rendezvous.exchange_addresses(
+                store, agent.worker_info, address, world_size
+            )
+            agent.set_peers(workers, addresses)
+            set_current_agent(agent)
+            _rendezvous.barrier(store, "distgrad/ready", world_size)
+        except BaseException:
+            set_current_agent(None)
+            agent.stop(graceful=False)
+            raise
+
+
+def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Stop this worker's agent (torch's ``shutdown``).
+
+    With ``graceful`` (the default) every worker first waits for all workers to reach
+    shutdown, then for every RPC in flight anywhere in the group (including follow-up calls
+    they cause) to finish. ``timeout`` (seconds, 0 = none) bounds the whole wait; a dead peer
+    ends it early with an error. Whatever happens, the agent is stopped before this returns
+    or raises, and ``init_rpc`` may be called again.
+    """
+    agent = _agent()
+    try:
+        if graceful:
+            deadline = time.monotonic() + timeout if timeout > 0 else None
+
+            def remaining() -> float:
+                if deadline is None:
+                    return 0
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RpcTimeoutError(
+                        f"shutdown timed out after {timeout:g}s waiting for other workers"
+                    )
+                return left
+
+            _collectives.wait_all_workers(remaining())
+            for hook in list(agent.shutdown_hooks):
+                hook()
+            while True:
+                agent.wait_until_idle(deadline)
+                counts = _collectives.all_gather(agent.active_calls(), timeout=remaining())
+                if sum(counts.values()) == 0:
+                    break
+    finally:
+        set_current_agent(None)
+        agent.stop(graceful)
+
+
+@_require_initialized
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """``WorkerInfo`` of ``worker_name``, or of this worker when ``None``."""
+    return _agent().get_worker_info(worker_name)
+
+
+def _to_worker_info(agent: RpcAgent, to: To) -> WorkerInfo:
+    if isinstance(to, WorkerInfo):
+        return to
+    if isinstance(to, (str, int)):
+        return agent.get_worker_info(to)
+    raise ValueError(f"Cannot get WorkerInfo from name {to}")
+
+
+_wait_all_state = threading.local()
+
+
+@_require_initialized
+def rpc_sync(
+    to: To,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = _config.UNSET_RPC_TIMEOUT,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (blocking).
+
+    ``timeout`` in seconds; ``-1`` uses the default (``get_rpc_timeout()``), ``0`` waits
+    forever. A remote exception is re-raised here with its original type, its message
+    carrying the remote traceback.
+    """
+    agent = _agent()
+    dst = _to_worker_info(agent, to)
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    return agent.call_sync(dst, func, tuple(args) if args else (), kwargs or {}, timeout)
+
+
+@_require_initialized
+def rpc_async(
+    to: To,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = _config.UNSET_RPC_TIMEOUT,
+) -> torch.futures.Future[Any]:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
+    agent = _agent()
+    dst = _to_worker_info(agent, to)
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    future = agent.call_async(dst, func, tuple(args) if args else (), kwargs or {}, timeout)
+    collected = getattr(_wait_all_state, "futures", None)
+    if collected is not None:
+        collected.append(future)
+    return future
+
+
+@contextlib.contextmanager
+def wait_all() -> Iterator[None]:
+    """Collect the futures of ``rpc_async`` calls made in the block and wait for all on exit."""
+    previous = getattr(_wait_all_state, "futures", None)
+    _wait_all_state.futures = []
+    try:
+        yield
+    finally:
+        futures = _wait_all_state.futures
+        _wait_all_state.futures = previous
+    torch.futures.wait_all(futures)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of new RPCs, in seconds."""
+    return _agent().rpc_timeout
+
+
+def set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change the default timeout of new RPCs (seconds; 0 = none)."""
+    _agent().rpc_timeout = float(rpc_timeout)

@@ -1,0 +1,140 @@
+"""Group operations over RPC: ``_all_gather``, ``_barrier``, ``_wait_all_workers``.
+
+As in the reference, the worker with the smallest name leads: followers send their object to
+the leader, the leader broadcasts the gathered dict to every follower. Unlike the reference,
+a wait notices a dead participant (through the transport's failure detection) instead of
+sitting out the whole timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from .._errors import RpcTimeoutError
+from ._agent import RpcAgent, current_agent
+
+__all__ = ["all_gather", "barrier", "wait_all_workers"]
+
+_POLL = 0.05
+
+
+class _GatherState:
+    __slots__ = ("all_arrived", "gathered", "proceed", "result")
+
+    def __init__(self) -> None:
+        self.gathered: dict[str, Any] = {}
+        self.all_arrived = threading.Event()
+        self.proceed = threading.Event()
+        self.result: dict[str, Any] | None = None
+
+
+_lock = threading.Lock()
+_states: dict[str, _GatherState] = {}
+_sequences: dict[tuple[str, ...], itertools.count[int]] = defaultdict(itertools.count)
+
+
+def _state(key: str) -> _GatherState:
+    with _lock:
+        state = _states.get(key)
+        if state is None:
+            state = _states[key] = _GatherState()
+        return state
+
+
+def _gather_to_leader(key: str, name: str, obj: Any, names: list[str]) -> None:
+    state = _state(key)
+    with _lock:
+        state.gathered[name] = obj
+        if len(state.gathered) == len(names):
+            state.all_arrived.set()
+
+
+def _broadcast_to_followers(key: str, gathered: dict[str, Any]) -> None:
+    state = _state(key)
+    state.result = gathered
+    state.proceed.set()
+
+
+def _require_agent() -> RpcAgent:
+    agent = current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+        )
+    return agent
+
+
+def _wait(
+    agent: RpcAgent, event: threading.Event, ranks: list[int], deadline: float | None
+) -> bool:
+    """Wait for ``event``; raise if one of ``ranks`` dies; False at the deadline."""
+    while not event.wait(_POLL):
+        for rank in ranks:
+            agent.transport.check_alive(rank)
+        if deadline is not None and time.monotonic() > deadline:
+            return event.is_set()
+    return True
+
+
+def all_gather(obj: Any, worker_names: list[str] | None = None, timeout: float = -1.0) -> dict[str, Any]:
+    """Gather ``obj`` from every worker in ``worker_names`` (default: all) on every worker."""
+    agent = _require_agent()
+    names = sorted(worker_names) if worker_names else sorted(w.name for w in agent.get_worker_infos())
+    me = agent.worker_info.name
+    leader = names[0]
+    with _lock:
+        sequence = next(_sequences[tuple(names)])
+    key = f"{sequence}|{','.join(names)}"
+    if timeout < 0:
+        timeout = agent.rpc_timeout
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    state = _state(key)
+    try:
+        if me == leader:
+            _gather_to_leader(key, me, obj, names)
+            followers = [agent.get_worker_info(n) for n in names if n != me]
+            for info in followers:  # a connection per follower: its death is noticed
+                agent.transport.connection(info.id)
+            if not _wait(agent, state.all_arrived, [f.id for f in followers], deadline):
+                missing = sorted(set(names) - set(state.gathered))
+                raise RpcTimeoutError(
+                    f"Followers {missing} timed out in _all_gather after {timeout:.2f} seconds. "
+                    f"The first exception is no response from {missing[0]}"
+                )
+            gathered = dict(state.gathered)
+            futures = [
+                agent.call_async(
+                    info, _broadcast_to_followers, (key, gathered), {}, timeout, internal=True
+                )
+                for info in followers
+            ]
+            for future in futures:
+                future.wait()
+            return gathered
+        leader_info = agent.get_worker_info(leader)
+        agent.call_sync(
+            leader_info, _gather_to_leader, (key, me, obj, names), {}, timeout, internal=True
+        )
+        if not _wait(agent, state.proceed, [leader_info.id], deadline):
+            raise RpcTimeoutError(
+                f"timed out in _all_gather after {timeout:.2f} seconds waiting for {leader}"
+            )
+        assert state.result is not None
+        return state.result
+    finally:
+        with _lock:
+            _states.pop(key, None)
+
+
+def barrier(worker_names: list[str] | None = None) -> None:
+    """Wait until every worker in ``worker_names`` (default: all) reached this barrier."""
+    all_gather(None, worker_names)
+
+
+def wait_all_workers(timeout: float = 0) -> None:
+    """Block until every worker called this (used by graceful shutdown); 0 = no timeout."""
+    all_gather(None, timeout=timeout)

@@ -1,0 +1,24 @@
+"""``@async_execution``: a function whose result is a ``torch.futures.Future``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+__all__ = ["async_execution"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def async_execution(fn: F) -> F:
+    """Mark ``fn`` as returning a ``torch.futures.Future``; the callee replies when it
+    completes, without holding a worker thread meanwhile (torch's decorator, same rules:
+    innermost under ``@staticmethod``/``@classmethod``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
+    return cast(F, wrapper)

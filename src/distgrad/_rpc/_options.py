@@ -1,0 +1,221 @@
+"""Backend options and the backend registry, shaped like torch's so programs run unchanged.
+
+``TensorPipeRpcBackendOptions`` takes torch's arguments (``num_worker_threads``,
+``rpc_timeout``, ``init_method``, ``device_maps``, ``devices``) plus distgrad's own, which are
+keyword-only and all optional: the cluster ``secret``, a TLS context pair, the maximum message
+size, and the heartbeat / peer-failure bounds.
+"""
+
+from __future__ import annotations
+
+import enum
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _config
+
+__all__ = [
+    "BackendType",
+    "BackendValue",
+    "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "backend_registered",
+    "construct_rpc_backend_options",
+    "register_backend",
+]
+
+DeviceLike = int | str | torch.device
+
+
+class RpcBackendOptions:
+    """Options common to every backend: the default RPC timeout and the init method."""
+
+    def __init__(
+        self,
+        rpc_timeout: float = _config.DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = _config.DEFAULT_INIT_METHOD,
+    ) -> None:
+        if not isinstance(rpc_timeout, (int, float)) or isinstance(rpc_timeout, bool):
+            raise TypeError("incompatible constructor arguments")
+        if rpc_timeout < 0:
+            raise RuntimeError("RPC Timeout must be non-negative")
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+
+
+def _device(d: DeviceLike) -> torch.device:
+    device = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+    if device.index is not None and device.index < 0:
+        raise RuntimeError("Device index must not be negative")
+    return device
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
+    """Options of distgrad's agent (named as torch's TensorPipe options for drop-in use).
+
+    Args beyond torch's:
+        secret: cluster secret for the connection handshake (``bytes`` or ``str``). Default:
+            ``$DISTGRAD_SECRET``, else rank 0 generates one and shares it through the
+            rendezvous store -- which then must be trusted (see docs/security.md).
+        server_ssl_context / client_ssl_context: enable TLS on TCP connections between hosts.
+        max_message_size: bound on one message in bytes; larger frames drop the connection.
+        heartbeat_interval / peer_timeout: a peer silent for ``peer_timeout`` seconds is dead.
+        listen_addr: address to listen on for TCP (default: derived from the rendezvous).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = _config.DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = _config.DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = _config.DEFAULT_INIT_METHOD,
+        device_maps: dict[str, dict[DeviceLike, DeviceLike]] | None = None,
+        devices: list[DeviceLike] | None = None,
+        _transports: list[Any] | None = None,
+        _channels: list[Any] | None = None,
+        secret: bytes | str | None = None,
+        server_ssl_context: ssl.SSLContext | None = None,
+        client_ssl_context: ssl.SSLContext | None = None,
+        max_message_size: int = _config.DEFAULT_MAX_MESSAGE_SIZE,
+        heartbeat_interval: float = _config.DEFAULT_HEARTBEAT_INTERVAL,
+        peer_timeout: float = _config.DEFAULT_PEER_TIMEOUT,
+        listen_addr: str | None = None,
+    ) -> None:
+        super().__init__(rpc_timeout, init_method)
+        if num_worker_threads < 1:
+            raise ValueError("num_worker_threads must be at least 1")
+        if (server_ssl_context is None) != (client_ssl_context is None):
+            raise ValueError("TLS needs both server_ssl_context and client_ssl_context")
+        if max_message_size <= 0:
+            raise ValueError("max_message_size must be positive")
+        if heartbeat_interval <= 0 or peer_timeout <= heartbeat_interval:
+            raise ValueError("need 0 < heartbeat_interval < peer_timeout")
+        self.num_worker_threads = num_worker_threads
+        self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
+        self.devices: list[torch.device] = []
+        self._transports = _transports
+        self._channels = _channels
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.server_ssl_context = server_ssl_context
+        self.client_ssl_context = client_ssl_context
+        self.max_message_size = max_message_size
+        self.heartbeat_interval = heartbeat_interval
+        self.peer_timeout = peer_timeout
+        self.listen_addr = listen_addr
+        for to, device_map in (device_maps or {}).items():
+            self.set_device_map(to, device_map)
+        if devices:
+            self.set_devices(devices)
+
+    def set_device_map(self, to: str, device_map: dict[DeviceLike, DeviceLike]) -> None:
+        """Map this worker's devices to ``to``'s devices (1-to-1), as torch's method."""
+        current = self.device_maps.setdefault(to, {})
+        reverse = {v: k for k, v in current.items()}
+        for key, value in device_map.items():
+            k, v = _device(key), _device(value)
+            if k in current and current[k] != v:
+                raise ValueError(
+                    "`set_device_map` only supports 1-to-1 mapping, "
+                    f"trying to map {k} to {v} and {current[k]}"
+                )
+            if v in reverse and reverse[v] != k:
+                raise ValueError(
+                    "`device_map` only supports 1-to-1 mapping, "
+                    f"trying to map {k} and {reverse[v]} to {v}"
+                )
+            current[k] = v
+            reverse[v] = k
+
+    def set_devices(self, devices: list[DeviceLike]) -> None:
+        parsed = [_device(d) for d in devices]
+        for device in parsed:
+            if device.type != "cuda":
+                raise ValueError(
+                    f"`set_devices` expect a list of CUDA devices, but got device type {device.type}."
+                )
+        self.devices = parsed
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorPipeRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
+            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r})"
+        )
+
+
+class BackendValue:
+    """What a registered backend stands for (its options and init handlers)."""
+
+    def __init__(
+        self,
+        construct_rpc_backend_options_handler: Callable[..., RpcBackendOptions],
+        init_backend_handler: Callable[..., Any] | None,
+    ) -> None:
+        self.construct_rpc_backend_options_handler = construct_rpc_backend_options_handler
+        self.init_backend_handler = init_backend_handler
+
+
+def _construct_tensorpipe_options(
+    rpc_timeout: float = _config.DEFAULT_RPC_TIMEOUT_SEC,
+    init_method: str = _config.DEFAULT_INIT_METHOD,
+    num_worker_threads: int = _config.DEFAULT_NUM_WORKER_THREADS,
+    **kwargs: Any,
+) -> TensorPipeRpcBackendOptions:
+    return TensorPipeRpcBackendOptions(
+        rpc_timeout=rpc_timeout,
+        init_method=init_method,
+        num_worker_threads=num_worker_threads,
+        **kwargs,
+    )
+
+
+_registry: dict[str, BackendValue] = {
+    "TENSORPIPE": BackendValue(_construct_tensorpipe_options, None),
+}
+
+
+def _make_enum() -> Any:
+    return enum.Enum("BackendType", {name: value for name, value in _registry.items()})
+
+
+BackendType: Any = _make_enum()
+
+
+def backend_registered(backend_name: str) -> bool:
+    return backend_name in _registry
+
+
+def register_backend(
+    backend_name: str,
+    construct_rpc_backend_options_handler: Callable[..., RpcBackendOptions],
+    init_backend_handler: Callable[..., Any],
+) -> Any:
+    """Register a backend name, as torch's ``register_backend``; returns the new member."""
+    global BackendType
+    if backend_registered(backend_name):
+        raise RuntimeError(f"RPC backend {backend_name}: already registered")
+    _registry[backend_name] = BackendValue(
+        construct_rpc_backend_options_handler, init_backend_handler
+    )
+    BackendType = _make_enum()
+    return BackendType[backend_name]
+
+
+def construct_rpc_backend_options(
+    backend: Any,
+    rpc_timeout: float = _config.DEFAULT_RPC_TIMEOUT_SEC,
+    init_method: str = _config.DEFAULT_INIT_METHOD,
+    **kwargs: Any,
+) -> RpcBackendOptions:
+    return backend.value.construct_rpc_backend_options_handler(
+        rpc_timeout=rpc_timeout, init_method=init_method, **kwargs
+    )
+
+
+def is_backend_type(backend: object) -> bool:
+    """True for a member of (any generation of) ``BackendType``, or torch's own."""
+    if isinstance(backend, enum.Enum) and type(backend).__name__ == "BackendType":
+        return backend.name in _registry
+    return False

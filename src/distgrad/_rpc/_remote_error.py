@@ -1,0 +1,61 @@
+"""Exceptions across the wire: raised remotely, re-raised locally with type and traceback."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from typing import Any
+
+__all__ = ["RemoteTraceback", "error_payload", "exception_from_payload"]
+
+
+class RemoteTraceback(Exception):
+    """Carries the remote traceback text; set as ``__cause__`` of a re-raised remote error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tuple[str, str, bytes]:
+    """What an ERROR frame carries: ``(message, traceback text, pickled type)``.
+
+    The message is the reference's (``"On WorkerInfo(...):\\n{repr(e)}\\n{traceback}"``), so
+    a caller's ``match=`` keeps working; errors of builtin operators keep their bare message.
+    The type travels by reference in a nested pickle, so that a type the caller cannot import
+    still leaves the message readable (it then arrives as RuntimeError).
+    """
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    message = str(exc) if builtin else f"On {where}:\n{exc!r}\n{tb}"
+    try:
+        pickled_type = pickle.dumps(type(exc), protocol=5)
+    except Exception:
+        pickled_type = pickle.dumps(RuntimeError, protocol=5)
+    return message, tb, pickled_type
+
+
+def exception_from_payload(message: str, tb: str, pickled_type: bytes) -> BaseException:
+    """Rebuild the remote exception with its original type (as the reference does)."""
+    error: BaseException
+    try:
+        exc_type: Any = pickle.loads(pickled_type)
+    except Exception:
+        exc_type = RuntimeError
+    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+        exc_type = RuntimeError
+    try:
+        error = exc_type(message)
+    except Exception as construct_error:
+        error = RuntimeError(
+            f"Failed to create original exception type. Error msg was {construct_error} "
+            f"Original exception on remote side was {message}"
+        )
+    error.__cause__ = RemoteTraceback(tb)
+    try:
+        error.remote_traceback = tb  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    return error

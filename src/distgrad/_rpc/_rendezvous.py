@@ -1,0 +1,151 @@
+"""Rendezvous: the store, the exchange of worker names and addresses, and the cluster secret.
+
+The store is torch's own (``TCPStore`` for ``env://`` and ``tcp://``, ``FileStore`` for
+``file://``), created by ``torch.distributed.rendezvous`` exactly as torch's RPC does. What
+distgrad puts in it is plain JSON and hex text -- never a pickle.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from .. import _config
+from .._transport._transport import PeerAddress
+from ._options import TensorPipeRpcBackendOptions
+from ._worker_info import WorkerInfo
+
+__all__ = [
+    "agree_secret",
+    "barrier",
+    "exchange_addresses",
+    "listen_host",
+    "open_store",
+]
+
+_FOREVER = timedelta(days=365)
+
+
+def store_timeout(rpc_timeout: float) -> timedelta:
+    return timedelta(seconds=rpc_timeout) if rpc_timeout > 0 else _FOREVER
+
+
+def open_store(
+    init_method: str, rank: int, world_size: int | None, timeout: timedelta
+) -> tuple[Any, int, int, Iterator[Any]]:
+    """Rendezvous through ``init_method``; return the store, rank and world size.
+
+    ``env://`` reads ``RANK`` and ``WORLD_SIZE`` from the environment when they are not given
+    (as torchrun sets them). The iterator is returned so the caller keeps it alive.
+    """
+    if world_size is None:
+        if init_method.startswith("env://") and os.environ.get("WORLD_SIZE"):
+            world_size = -1
+        else:
+            raise RuntimeError(
+                "distgrad needs a static RPC group: pass world_size to init_rpc (or set "
+                "WORLD_SIZE with init_method='env://'); dynamic groups are not supported yet"
+            )
+    iterator = dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout)
+    store, rank, world_size = next(iterator)
+    store.set_timeout(timeout)
+    return store, rank, world_size, iterator
+
+
+def agree_secret(store: Any, rank: int, options: TensorPipeRpcBackendOptions) -> bytes:
+    """The cluster secret: from the options, else ``$DISTGRAD_SECRET``, else made by rank 0
+    and shared through the store (which must then be trusted)."""
+    if options.secret:
+        return options.secret
+    from_env = _config.env_str(_config.ENV_SECRET)
+    if from_env is not None:
+        return from_env.encode()
+    if rank == 0:
+        token = secrets.token_hex(32)
+        store.set("distgrad/secret", token)
+        return token.encode()
+    return bytes(store.get("distgrad/secret"))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def listen_host(init_method: str, options: TensorPipeRpcBackendOptions) -> str:
+    """The address to listen on for TCP: explicit option or ``$DISTGRAD_LISTEN_ADDR``, else
+    the local address that routes to the rendezvous master, else loopback."""
+    explicit = options.listen_addr or _config.env_str(_config.ENV_LISTEN_ADDR)
+    if explicit:
+        return explicit
+    master: str | None = None
+    if init_method.startswith("env://"):
+        master = os.environ.get("MASTER_ADDR")
+    elif init_method.startswith("tcp://"):
+        master = urlparse(init_method).hostname
+    if not master or _is_loopback(master):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(master), 9))  # no packet is sent
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def exchange_addresses(
+    store: Any, info: WorkerInfo, address: PeerAddress, world_size: int
+) -> tuple[list[WorkerInfo], dict[int, PeerAddress]]:
+    """Publish this worker, wait for all others, validate names; return everyone."""
+    if int(store.add(f"distgrad/rank/{info.id}", 1)) > 1:
+        raise RuntimeError(f"RPC rank {info.id} is used by more than one worker")
+    record = {
+        "name": info.name,
+        "host": address.host,
+        "port": address.port,
+        "unix": address.unix.encode("latin-1").hex() if address.unix else None,
+        "host_id": address.host_id,
+    }
+    store.set(f"distgrad/worker/{info.id}", json.dumps(record))
+    keys = [f"distgrad/worker/{rank}" for rank in range(world_size)]
+    try:
+        store.wait(keys)
+    except Exception as exc:
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"timed out waiting for ranks {missing} to join the RPC group of {world_size}"
+        ) from exc
+    workers: list[WorkerInfo] = []
+    addresses: dict[int, PeerAddress] = {}
+    seen: dict[str, int] = {}
+    for rank, raw in enumerate(store.multi_get(keys)):
+        rec = json.loads(bytes(raw))
+        name = str(rec["name"])
+        if name in seen:
+            raise RuntimeError(
+                f"RPC worker name {name} is not unique. Workers {seen[name]} and {rank} share "
+                "the same name."
+            )
+        seen[name] = rank
+        workers.append(WorkerInfo(name, rank))
+        unix = bytes.fromhex(rec["unix"]).decode("latin-1") if rec["unix"] else None
+        addresses[rank] = PeerAddress(str(rec["host"]), int(rec["port"]), unix, str(rec["host_id"]))
+    return workers, addresses
+
+
+def barrier(store: Any, key: str, world_size: int) -> None:
+    """Every worker arrives at ``key`` before any leaves."""
+    if int(store.add(f"{key}/count", 1)) == world_size:
+        store.set(f"{key}/done", "1")
+    store.wait([f"{key}/done"])

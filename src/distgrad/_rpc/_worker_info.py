@@ -1,0 +1,46 @@
+"""``WorkerInfo`` and worker-name validation."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["WorkerInfo", "validate_worker_name"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9\-_:]*$")
+
+
+def validate_worker_name(name: object) -> str:
+    """Return ``name`` if it is a valid worker name, else raise the reference's error."""
+    if not isinstance(name, str) or not name or len(name) >= 128 or not _NAME_RE.match(name):
+        raise RuntimeError(
+            "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter "
+            f"than 128 chars, but got {name}"
+        )
+    return name
+
+
+class WorkerInfo:
+    """A worker's name and id (rank), as torch's ``WorkerInfo``."""
+
+    __slots__ = ("id", "name")
+
+    def __init__(self, name: str, id: int) -> None:  # noqa: A002 - torch's parameter name
+        self.name = name
+        self.id = id
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WorkerInfo):
+            return NotImplemented
+        return self.id == other.id and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WorkerInfo, (self.name, self.id))

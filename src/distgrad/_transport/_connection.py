@@ -1,0 +1,285 @@
+"""One authenticated, framed, bidirectional link to a peer over a non-blocking socket.
+
+Writes are made directly by the thread that sends (a caller, a worker thread, or the I/O
+thread), under the connection's lock: a small message costs one ``sendmsg`` and no thread
+hop. Only what the socket does not take at once is queued, and the I/O thread writes the rest
+when the socket becomes writable. Tensor buffers are handed to ``sendmsg`` as views of their
+storage (scatter/gather) and are never joined into one bytes object.
+
+Reads happen on the I/O thread: ``recv_into`` a buffer given by the frame parser (the staging
+buffer, or a large tensor's own storage), then complete frames go to the handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from .._errors import PeerFailureError, ProtocolError
+from .._wire._frames import Frame, FrameParser, Kind, encode_frame
+
+if TYPE_CHECKING:
+    from ._io import IoThread
+
+__all__ = ["Connection", "ConnectionOwner", "Piece"]
+
+_log = logging.getLogger("distgrad.transport")
+_IOV_MAX = 512
+_READS_PER_WAKEUP = 64
+
+Piece = bytes | memoryview
+
+
+class ConnectionOwner(Protocol):
+    """What a connection reports to (the transport)."""
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None: ...
+
+    def on_closed(self, conn: Connection, error: Exception | None) -> None: ...
+
+
+def _advance(pieces: Iterable[Piece], nbytes: int) -> list[memoryview]:
+    """What is left of ``pieces`` after ``nbytes`` were written."""
+    rest: list[memoryview] = []
+    for piece in pieces:
+        view = piece if isinstance(piece, memoryview) else memoryview(piece)
+        if nbytes >= view.nbytes:
+            nbytes -= view.nbytes
+            continue
+        rest.append(view[nbytes:] if nbytes else view)
+        nbytes = 0
+    return rest
+
+
+class Connection:
+    """A framed link to ``peer``; ``send`` from any thread, reads on the I/O thread."""
+
+    def __init__(
+        self,
+        owner: ConnectionOwner,
+        io: IoThread,
+        sock: socket.socket,
+        peer: int,
+        peer_label: str,
+        max_message_size: int,
+    ) -> None:
+        self.peer = peer
+        self.peer_label = peer_label
+        self._owner = owner
+        self._io = io
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._parser = FrameParser(max_message_size)
+        self._lock = threading.Lock()
+        self._queue: deque[memoryview] = deque()
+        self._writer_armed = False
+        self._shutdown_after_flush = False
+        self.closed = False
+        self.goodbye_received = False
+        self.close_error: Exception | None = None
+        now = time.monotonic()
+        self.last_recv = now
+        self.last_send = now
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<Connection to {self.peer_label} fd={self._fd} {state}>"
+
+    # -- lifecycle (I/O thread) -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start reading; call on the I/O thread."""
+        if not self.closed:
+            self._io.loop.add_reader(self._fd, self._on_readable)
+
+    def close(self, error: Exception | None = None) -> None:
+        """Close now (any thread); ``error`` says why, ``None`` for an orderly close."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.close_error = error
+            self._queue.clear()
+        self._io.call_soon(self._close_in_loop, error)
+
+    def close_when_flushed(self) -> None:
+        """Say goodbye, write what is queued, then half-close; the peer's EOF finishes it."""
+        try:
+            self.send(encode_frame(Kind.GOODBYE, 0))
+        except PeerFailureError:
+            return
+        with self._lock:
+            if self.closed:
+                return
+            if self._queue:
+                self._shutdown_after_flush = True
+                return
+        self._half_close()
+
+    def _half_close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _close_in_loop(self, error: Exception | None) -> None:
+        loop = self._io.loop
+        try:
+            loop.remove_reader(self._fd)
+            loop.remove_writer(self._fd)
+        except (ValueError, OSError):  # loop already closed, or fd gone
+            pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        self._owner.on_closed(self, error)
+
+    def _fail(self, error: Exception) -> None:
+        if not self.closed:
+            _log.debug("connection to %s failed: %s", self.peer_label, error)
+        self.close(error)
+
+    # -- writing (any thread) -------------------------------------------------------------------
+    def send(self, pieces: Sequence[Piece]) -> None:
+        """Write one frame's pieces, in order with every other frame on this connection."""
+        with self._lock:
+            if self.closed:
+                raise self.broken_error()
+            if self._queue:
+                self._queue.extend(_advance(pieces, 0))
+                return
+            try:
+                written = self._write_some(pieces)
+            except OSError as exc:
+                error = PeerFailureError(
+                    f"lost the connection to {self.peer_label} while sending: {exc}",
+                    self.peer_label,
+                )
+                self._io.call_soon(self._fail, error)
+                raise error from exc
+            self.last_send = time.monotonic()
+            rest = _advance(pieces, written)
+            if not rest:
+                return
+            self._queue.extend(rest)
+            if not self._writer_armed:
+                self._writer_armed = True
+                self._io.call_soon(self._arm_writer)
+
+    def _write_some(self, pieces: Sequence[Piece]) -> int:
+        """Write as much as the socket takes now; return the number of bytes written."""
+        if not self._tls:
+            try:
+                return self._sock.sendmsg(pieces[:_IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return 0
+        total = 0
+        for piece in pieces:  # SSL sockets have no sendmsg; partial writes are enabled
+            try:
+                n = self._sock.send(piece)
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                break
+            total += n
+            if n < len(piece):
+                break
+        return total
+
+    def _arm_writer(self) -> None:
+        if not self.closed:
+            self._io.loop.add_writer(self._fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        with self._lock:
+            try:
+                while self._queue:
+                    batch = [self._queue[i] for i in range(min(len(self._queue), _IOV_MAX))]
+                    written = self._write_some(batch)
+                    if written == 0:
+                        return
+                    self.last_send = time.monotonic()
+                    while written:
+                        head = self._queue[0]
+                        if written >= head.nbytes:
+                            written -= head.nbytes
+                            self._queue.popleft()
+                        else:
+                            self._queue[0] = head[written:]
+                            written = 0
+            except OSError as exc:
+                error: Exception = PeerFailureError(
+                    f"lost the connection to {self.peer_label} while sending: {exc}",
+                    self.peer_label,
+                )
+            else:
+                self._writer_armed = False
+                self._io.loop.remove_writer(self._fd)
+                if self._shutdown_after_flush:
+                    self._half_close()
+                return
+        self._fail(error)
+
+    # -- reading (I/O thread) -------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        parser = self._parser
+        for _ in range(_READS_PER_WAKEUP):
+            buf = parser.get_buffer()
+            try:
+                n = self._sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                return
+            except ssl.SSLWantWriteError:
+                return
+            except OSError as exc:
+                self._fail(
+                    PeerFailureError(f"lost the connection to {self.peer_label}: {exc}", self.peer_label)
+                )
+                return
+            if n == 0:
+                self._on_eof()
+                return
+            self.last_recv = time.monotonic()
+            try:
+                frames = parser.buffer_updated(n)
+            except ProtocolError as exc:
+                _log.warning("dropping connection from %s: %s", self.peer_label, exc)
+                self._fail(exc)
+                return
+            for frame in frames:
+                if frame.kind == Kind.HEARTBEAT:
+                    continue
+                if frame.kind == Kind.GOODBYE:
+                    self.goodbye_received = True
+                    continue
+                try:
+                    self._owner.on_frame(self, frame)
+                except Exception:
+                    _log.exception("error while handling a frame from %s", self.peer_label)
+            if n < len(buf) and not (self._tls and self._sock.pending()):  # type: ignore[attr-defined]
+                return
+
+    def _on_eof(self) -> None:
+        if self.goodbye_received:
+            self.close(None)
+        else:
+            self._fail(
+                PeerFailureError(
+                    f"{self.peer_label} closed the connection unexpectedly (did it die?)",
+                    self.peer_label,
+                )
+            )
+
+    def broken_error(self) -> PeerFailureError:
+        """The error for a send on (or a wait for) this closed connection."""
+        if self.close_error is not None and isinstance(self.close_error, PeerFailureError):
+            return PeerFailureError(str(self.close_error), self.peer_label)
+        if self.goodbye_received:
+            return PeerFailureError(f"{self.peer_label} has shut down", self.peer_label)
+        reason = f": {self.close_error}" if self.close_error else ""
+        return PeerFailureError(f"the connection to {self.peer_label} is closed{reason}", self.peer_label)

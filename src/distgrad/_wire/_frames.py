@@ -1,0 +1,226 @@
+"""Framing: how one message is laid out on a byte stream, and a parser for it.
+
+A frame is::
+
+    header    16 bytes  <B kind> <B flags> <H nbuffers> <I meta_len> <Q message_id>
+    lengths   8 * nbuffers bytes, one little-endian u64 per out-of-band buffer
+    meta      meta_len bytes: the pickle stream
+    buffers   the out-of-band buffers, back to back
+
+The parser validates every length against the connection's limits *before* it allocates
+anything, and reads large buffers straight into memory that becomes the tensor's storage
+(the socket writes into it; there is no intermediate copy). Small frames are parsed out of one
+staging buffer, so a burst of small messages costs one ``recv_into`` call, not several per
+frame.
+
+The parser is pure (no sockets): the transport asks :meth:`FrameParser.get_buffer` for memory
+to receive into and reports with :meth:`FrameParser.buffer_updated` how much arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import struct
+from dataclasses import dataclass, field
+
+from .._config import DIRECT_RECV_THRESHOLD, RECV_STAGING_SIZE
+from .._errors import MessageTooLargeError, ProtocolError
+from ._pickler import allocate_buffer
+
+__all__ = ["HEADER", "MAX_BUFFERS", "Frame", "FrameParser", "Kind", "encode_frame"]
+
+HEADER = struct.Struct("<BBHIQ")
+#: At most this many out-of-band buffers in one frame (bounds the lengths block to 32 KiB).
+MAX_BUFFERS = 4096
+_LENGTH = struct.Struct("<Q")
+
+
+class Kind(enum.IntEnum):
+    """Frame kinds. Requests and responses carry pickles; the rest are transport control."""
+
+    REQUEST = 1
+    RESPONSE = 2
+    ERROR = 3
+    HEARTBEAT = 4
+    GOODBYE = 5
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+@dataclass(slots=True)
+class Frame:
+    """One received message."""
+
+    kind: int
+    message_id: int
+    meta: bytes | bytearray
+    buffers: list[memoryview] = field(default_factory=list)
+    flags: int = 0
+
+
+def encode_frame(
+    kind: int,
+    message_id: int,
+    meta: bytes = b"",
+    buffers: list[pickle.PickleBuffer] | None = None,
+    flags: int = 0,
+) -> list[bytes | memoryview]:
+    """The pieces to write for one frame (header+meta in one piece, buffers as views)."""
+    if not buffers:
+        return [HEADER.pack(kind, flags, 0, len(meta), message_id) + meta]
+    views = [b.raw() for b in buffers]
+    if len(views) > MAX_BUFFERS:
+        raise ProtocolError(f"a message may carry at most {MAX_BUFFERS} tensors, got {len(views)}")
+    head = HEADER.pack(kind, flags, len(views), len(meta), message_id)
+    lengths = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+    return [head + lengths + meta, *views]
+
+
+class FrameParser:
+    """Incremental frame parser over a staging buffer, with direct reads for large buffers."""
+
+    def __init__(
+        self,
+        max_message_size: int,
+        staging_size: int = RECV_STAGING_SIZE,
+        direct_threshold: int = DIRECT_RECV_THRESHOLD,
+    ) -> None:
+        if direct_threshold > staging_size // 2:
+            raise ValueError("direct_threshold must be at most half the staging size")
+        self._max = max_message_size
+        self._direct_threshold = direct_threshold
+        self._staging = bytearray(staging_size)
+        self._view = memoryview(self._staging)
+        self._start = 0  # first unparsed byte in staging
+        self._end = 0  # one past the last received byte in staging
+        # frame being assembled
+        self._header: tuple[int, int, int, int, int] | None = None
+        self._lengths: list[int] | None = None
+        self._meta: bytes | bytearray | None = None
+        self._buffers: list[memoryview] = []
+        # a buffer being received directly: (view, filled)
+        self._direct: memoryview | None = None
+        self._direct_filled = 0
+
+    # -- the transport's side -----------------------------------------------------------------
+    def get_buffer(self) -> memoryview:
+        """Memory to receive the next bytes into."""
+        if self._direct is not None:
+            return self._direct[self._direct_filled :]
+        if self._end == len(self._staging):
+            self._compact()
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """``nbytes`` were written into the last buffer; return the frames now complete."""
+        frames: list[Frame] = []
+        if self._direct is not None:
+            self._direct_filled += nbytes
+            if self._direct_filled < self._direct.nbytes:
+                return frames
+            self._finish_direct()
+        else:
+            self._end += nbytes
+        while True:
+            frame = self._parse_one()
+            if frame is None:
+                return frames
+            frames.append(frame)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _compact(self) -> None:
+        pending = self._end - self._start
+        if self._start:
+            self._view[:pending] = self._view[self._start : self._end]
+        self._start, self._end = 0, pending
+
+    def _available(self) -> int:
+        return self._end - self._start
+
+    def _take(self, n: int) -> memoryview:
+        view = self._view[self._start : self._start + n]
+        self._start += n
+        return view
+
+    def _ensure_room(self, n: int) -> None:
+        """Make sure staging can hold ``n`` contiguous bytes from ``_start``."""
+        if self._start + n > len(self._staging):
+            self._compact()
+
+    def _parse_one(self) -> Frame | None:
+        if self._direct is not None:
+            return None
+        if self._header is None:
+            if self._available() < HEADER.size:
+                self._ensure_room(HEADER.size)
+                return None
+            kind, flags, nbuf, meta_len, message_id = HEADER.unpack(self._take(HEADER.size))
+            if kind not in _KINDS:
+                raise ProtocolError(f"unknown frame kind {kind}")
+            if nbuf > MAX_BUFFERS:
+                raise ProtocolError(f"frame announces {nbuf} buffers; the limit is {MAX_BUFFERS}")
+            if meta_len > self._max:
+                raise MessageTooLargeError(
+                    f"frame announces {meta_len} bytes; the maximum message size is {self._max}"
+                )
+            self._header = (kind, flags, nbuf, meta_len, message_id)
+        kind, flags, nbuf, meta_len, message_id = self._header
+        if self._lengths is None:
+            need = 8 * nbuf
+            if self._available() < need:
+                self._ensure_room(need)
+                return None
+            lengths = list(struct.unpack(f"<{nbuf}Q", self._take(need))) if nbuf else []
+            total = meta_len + sum(lengths)
+            if total > self._max:
+                raise MessageTooLargeError(
+                    f"frame announces {total} bytes; the maximum message size is {self._max}"
+                )
+            self._lengths = lengths
+        if self._meta is None:
+            if meta_len <= self._direct_threshold:
+                if self._available() < meta_len:
+                    self._ensure_room(meta_len)
+                    return None
+                self._meta = bytes(self._take(meta_len))
+            else:
+                self._start_direct(bytearray(meta_len))
+                if self._direct is not None:
+                    return None
+        while len(self._buffers) < len(self._lengths):
+            n = self._lengths[len(self._buffers)]
+            if n < self._direct_threshold:
+                if self._available() < n:
+                    self._ensure_room(n)
+                    return None
+                buf = allocate_buffer(n)
+                buf[:] = self._take(n)
+                self._buffers.append(buf)
+            else:
+                self._start_direct(allocate_buffer(n))
+                if self._direct is not None:
+                    return None
+        frame = Frame(kind, message_id, self._meta, self._buffers, flags)
+        self._header = self._lengths = self._meta = None
+        self._buffers = []
+        return frame
+
+    def _start_direct(self, target: bytearray | memoryview) -> None:
+        view = memoryview(target).cast("B")
+        have = min(self._available(), view.nbytes)
+        view[:have] = self._take(have)
+        self._direct, self._direct_filled = view, have
+        if self._start == self._end:
+            self._start = self._end = 0
+        if have == view.nbytes:
+            self._finish_direct()
+
+    def _finish_direct(self) -> None:
+        assert self._direct is not None
+        done, self._direct = self._direct, None
+        if self._meta is None:
+            self._meta = done.obj  # the bytearray allocated for a large pickle stream
+        else:
+            self._buffers.append(done)

@@ -1,0 +1,99 @@
+"""Drop-in replacement for ``torch.distributed.rpc``: ``import distgrad.rpc as rpc``."""
+
+from __future__ import annotations
+
+from .._config import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+)
+from .._errors import (
+    DistgradError,
+    HandshakeError,
+    MessageTooLargeError,
+    PeerFailureError,
+    ProtocolError,
+    RpcShutdownError,
+    RpcTimeoutError,
+)
+from .._rpc._agent import RpcAgent as _RpcAgent
+from .._rpc._agent import current_agent as _current_agent
+from .._rpc._api import (
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from .._rpc._api import set_rpc_timeout as _set_rpc_timeout
+from .._rpc._api import wait_all as _wait_all
+from .._rpc._options import (
+    BackendType,
+    BackendValue,
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+    backend_registered,
+    construct_rpc_backend_options,
+    register_backend,
+)
+from .._rpc._remote_error import RemoteTraceback
+from .._rpc._worker_info import WorkerInfo
+from . import api, constants, functions
+
+__all__ = [
+    "BackendType",
+    "BackendValue",
+    "DistgradError",
+    "HandshakeError",
+    "MessageTooLargeError",
+    "PeerFailureError",
+    "ProtocolError",
+    "RemoteTraceback",
+    "RpcBackendOptions",
+    "RpcShutdownError",
+    "RpcTimeoutError",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+    "api",
+    "backend_registered",
+    "constants",
+    "construct_rpc_backend_options",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "register_backend",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+_ = (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC)
+_ = (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, _set_rpc_timeout, _wait_all)
+
+
+def is_available() -> bool:
+    """Always True: distgrad needs only sockets."""
+    return True
+
+
+def _is_current_rpc_agent_set() -> bool:
+    return _current_agent() is not None
+
+
+def _get_current_rpc_agent() -> _RpcAgent:
+    agent = _current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+        )
+    return agent
+
+
+# public objects report the public module in reprs and tracebacks
+for _name in ("WorkerInfo", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "RemoteTraceback"):
+    globals()[_name].__module__ = __name__
