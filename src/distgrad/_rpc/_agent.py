@@ -118,6 +118,7 @@ class RpcAgent(FrameHandler):
         self.rpc_timeout = options.rpc_timeout
         self._io = IoThread()
         self._transport: Transport | None = None
+        self.address: PeerAddress | None = None
         self._by_name: dict[str, WorkerInfo] = {name: self.worker_info}
         self._by_rank: dict[int, WorkerInfo] = {rank: self.worker_info}
         self._calls: dict[int, _Call] = {}
@@ -155,7 +156,8 @@ class RpcAgent(FrameHandler):
         )
         self._io.start()
         self._transport = Transport(config, self._io, self, self._label)
-        return self._transport.listen(listen_host)
+        self.address = self._transport.listen(listen_host)
+        return self.address
 
     def set_peers(self, workers: list[WorkerInfo], addresses: dict[int, PeerAddress]) -> None:
         for info in workers:
