@@ -165,10 +165,9 @@ class Connection:
                 self._io.call_soon(self._fail, error)
                 raise error from exc
             self.last_send = time.monotonic()
-            rest = _advance(pieces, written)
-            if not rest:
+            if written == (len(pieces[0]) if len(pieces) == 1 else sum(map(len, pieces))):
                 return
-            self._queue.extend(rest)
+            self._queue.extend(_advance(pieces, written))
             if not self._writer_armed:
                 self._writer_armed = True
                 self._io.call_soon(self._arm_writer)
@@ -177,6 +176,8 @@ class Connection:
         """Write as much as the socket takes now; return the number of bytes written."""
         if not self._tls:
             try:
+                if len(pieces) == 1:
+                    return self._sock.send(pieces[0])
                 return self._sock.sendmsg(pieces[:_IOV_MAX])
             except (BlockingIOError, InterruptedError):
                 return 0

@@ -33,7 +33,8 @@ __all__ = ["HEADER", "MAX_BUFFERS", "Frame", "FrameParser", "Kind", "encode_fram
 HEADER = struct.Struct("<BBHIQ")
 #: At most this many out-of-band buffers in one frame (bounds the lengths block to 32 KiB).
 MAX_BUFFERS = 4096
-_LENGTH = struct.Struct("<Q")
+_HEADER_SIZE = HEADER.size
+_unpack_header = HEADER.unpack_from
 
 
 class Kind(enum.IntEnum):
@@ -123,11 +124,30 @@ class FrameParser:
             self._finish_direct()
         else:
             self._end += nbytes
-        while True:
+            self._parse_small(frames)
+        while self._start < self._end or self._header is not None:
             frame = self._parse_one()
             if frame is None:
-                return frames
+                break
             frames.append(frame)
+        if self._start == self._end and self._direct is None:
+            self._start = self._end = 0  # drained: the next read gets the whole staging buffer
+        return frames
+
+    def _parse_small(self, frames: list[Frame]) -> None:
+        """Fast path: complete frames without buffers, straight out of staging."""
+        if self._header is not None:
+            return
+        view, start, end = self._view, self._start, self._end
+        limit = self._direct_threshold
+        while end - start >= _HEADER_SIZE:
+            kind, flags, nbuf, meta_len, message_id = _unpack_header(view, start)
+            stop = start + _HEADER_SIZE + meta_len
+            if nbuf or meta_len > limit or stop > end or kind not in _KINDS:
+                break  # the general parser validates, waits, or raises
+            frames.append(Frame(kind, message_id, bytes(view[start + _HEADER_SIZE : stop]), [], flags))
+            start = stop
+        self._start = start
 
     # -- internals ------------------------------------------------------------------------------
     def _compact(self) -> None:

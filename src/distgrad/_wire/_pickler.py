@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import mmap
 import pickle
 import threading
 from collections.abc import Callable, Iterable
@@ -52,13 +53,28 @@ def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(as_bytes.numpy())
 
 
+_HUGE_THRESHOLD = 2 * 1024 * 1024
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
 def allocate_buffer(nbytes: int) -> memoryview:
     """Uninitialised, writable memory for one received buffer.
 
     The memory is a numpy array, so any protocol-5 user (numpy itself) can take it as a plain
     buffer, while :func:`_rebuild_tensor` wraps it with ``torch.from_numpy`` -- the received
     tensor's storage *is* this memory.
+
+    Large buffers are their own anonymous mapping with transparent huge pages requested:
+    faulting in fresh 4 KiB pages costs more than receiving the bytes (measured: 30 ms vs
+    8.5 ms for 64 MiB on the dev machines), and huge pages cut that cost to a few faults.
     """
+    if nbytes >= _HUGE_THRESHOLD and _MADV_HUGEPAGE is not None:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            region.madvise(_MADV_HUGEPAGE)
+        except OSError:
+            pass
+        return memoryview(numpy.frombuffer(region, dtype=numpy.uint8))
     return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
 
 
@@ -181,6 +197,20 @@ class TensorPickler(pickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
 
 
+class _ThreadPickler(threading.local):
+    """A pickler per thread, reused across messages: constructing one costs more than a small
+    message's whole pickling. Re-entrant use on one thread falls back to a fresh pickler."""
+
+    def __init__(self) -> None:
+        self.file = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.pickler = TensorPickler(self.file, self.buffers)
+        self.busy = False
+
+
+_cached = _ThreadPickler()
+
+
 def dumps(
     obj: Any,
     device_check: DeviceCheck | None = None,
@@ -190,18 +220,28 @@ def dumps(
     ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g.
     a CPU copy) or raises; without one, such tensors use their own (copying) reduction.
     """
-    file = io.BytesIO()
-    buffers: list[pickle.PickleBuffer] = []
-    pickler = TensorPickler(file, buffers)
-    if device_check is None:
-        pickler.dump(obj)
+    cache = _cached
+    if cache.busy:
+        file = io.BytesIO()
+        buffers: list[pickle.PickleBuffer] = []
+        pickler = TensorPickler(file, buffers)
     else:
-        _policy.device_check = device_check
-        try:
-            pickler.dump(obj)
-        finally:
-            _policy.device_check = None
-    return file.getvalue(), buffers
+        cache.busy = True
+        file, buffers, pickler = cache.file, cache.buffers, cache.pickler
+    _policy.device_check = device_check
+    try:
+        pickler.dump(obj)
+        data = file.getvalue()
+        out = list(buffers)
+    finally:
+        _policy.device_check = None
+        if file is cache.file:
+            file.seek(0)
+            file.truncate()
+            buffers.clear()
+            pickler.clear_memo()
+            cache.busy = False
+    return data, out
 
 
 def loads(data: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
