@@ -53,6 +53,6 @@ class MessageTooLargeError(ProtocolError):
 def rpc_timeout_message(timeout_s: float) -> str:
     """The reference's exact timeout message (callers match ``"RPC ran for more than"``)."""
     return (
-        f"RPCErr:1:RPC ran for more than set timeout ({int(round(timeout_s * 1000))} ms) "
+        f"RPCErr:1:RPC ran for more than set timeout ({round(timeout_s * 1000)} ms) "
         "and will now be marked with an error"
     )

@@ -70,7 +70,7 @@ def _is_builtin(func: Any) -> bool:
     from torch.jit._builtins import _find_builtin
 
     try:
-        return _find_builtin(func) is not None
+        return _find_builtin(func) is not None  # type: ignore[no-untyped-call]
     except Exception:
         return False
 

@@ -111,8 +111,7 @@ def init_rpc(
         or hasattr(rpc_backend_options, "num_worker_threads")
     ):
         raise TypeError(
-            "`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. "
-            f"{rpc_backend_options}"
+            f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {rpc_backend_options}"
         )
     options = _to_options(rpc_backend_options)
     validate_worker_name(name)
@@ -123,7 +122,8 @@ def init_rpc(
         store, rank, world_size, iterator = _rendezvous.open_store(
             options.init_method, rank, world_size, timeout
         )
-        store = torch.distributed.PrefixStore(f"rpc_prefix_{next(_init_counter)}", store)
+        prefix = f"rpc_prefix_{next(_init_counter)}"
+        store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         for hook in init_hooks:
             hook(rank)
         agent = RpcAgent(name, rank, world_size, options)

@@ -80,10 +80,14 @@ def _wait(
     return True
 
 
-def all_gather(obj: Any, worker_names: list[str] | None = None, timeout: float = -1.0) -> dict[str, Any]:
+def all_gather(
+    obj: Any, worker_names: list[str] | None = None, timeout: float = -1.0
+) -> dict[str, Any]:
     """Gather ``obj`` from every worker in ``worker_names`` (default: all) on every worker."""
     agent = _require_agent()
-    names = sorted(worker_names) if worker_names else sorted(w.name for w in agent.get_worker_infos())
+    names = (
+        sorted(worker_names) if worker_names else sorted(w.name for w in agent.get_worker_infos())
+    )
     me = agent.worker_info.name
     leader = names[0]
     with _lock:

@@ -134,7 +134,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         for device in parsed:
             if device.type != "cuda":
                 raise ValueError(
-                    f"`set_devices` expect a list of CUDA devices, but got device type {device.type}."
+                    "`set_devices` expect a list of CUDA devices, but got device type "
+                    f"{device.type}."
                 )
         self.devices = parsed
 
@@ -209,9 +210,10 @@ def construct_rpc_backend_options(
     init_method: str = _config.DEFAULT_INIT_METHOD,
     **kwargs: Any,
 ) -> RpcBackendOptions:
-    return backend.value.construct_rpc_backend_options_handler(
+    options: RpcBackendOptions = backend.value.construct_rpc_backend_options_handler(
         rpc_timeout=rpc_timeout, init_method=init_method, **kwargs
     )
+    return options
 
 
 def is_backend_type(backend: object) -> bool:

@@ -55,7 +55,8 @@ def open_store(
                 "distgrad needs a static RPC group: pass world_size to init_rpc (or set "
                 "WORLD_SIZE with init_method='env://'); dynamic groups are not supported yet"
             )
-    iterator = dist.rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout)
+    rendezvous = dist.rendezvous  # type: ignore[attr-defined]
+    iterator = rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout)
     store, rank, world_size = next(iterator)
     store.set_timeout(timeout)
     return store, rank, world_size, iterator

@@ -25,7 +25,7 @@ class WorkerInfo:
 
     __slots__ = ("id", "name")
 
-    def __init__(self, name: str, id: int) -> None:  # noqa: A002 - torch's parameter name
+    def __init__(self, name: str, id: int) -> None:
         self.name = name
         self.id = id
 

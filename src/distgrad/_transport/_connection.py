@@ -239,7 +239,9 @@ class Connection:
                 return
             except OSError as exc:
                 self._fail(
-                    PeerFailureError(f"lost the connection to {self.peer_label}: {exc}", self.peer_label)
+                    PeerFailureError(
+                        f"lost the connection to {self.peer_label}: {exc}", self.peer_label
+                    )
                 )
                 return
             if n == 0:
@@ -283,4 +285,6 @@ class Connection:
         if self.goodbye_received:
             return PeerFailureError(f"{self.peer_label} has shut down", self.peer_label)
         reason = f": {self.close_error}" if self.close_error else ""
-        return PeerFailureError(f"the connection to {self.peer_label} is closed{reason}", self.peer_label)
+        return PeerFailureError(
+            f"the connection to {self.peer_label} is closed{reason}", self.peer_label
+        )

@@ -169,11 +169,9 @@ async def server_handshake(
         raise HandshakeError(f"peer claims rank {rank_c}, outside the group of {world_size}")
     nonce_s = os.urandom(32)
     mac_s = _mac(secret, b"server", nonce_c, nonce_s, rank_c, my_rank)
-    await send_all(
-        loop, sock, _CHALLENGE.pack(MAGIC, PROTOCOL_VERSION, 0, my_rank, nonce_s, mac_s)
-    )
+    await send_all(loop, sock, _CHALLENGE.pack(MAGIC, PROTOCOL_VERSION, 0, my_rank, nonce_s, mac_s))
     proof = await recv_exact(loop, sock, _PROOF_SIZE)
     if not hmac.compare_digest(proof, _mac(secret, b"client", nonce_c, nonce_s, rank_c, my_rank)):
         raise HandshakeError(f"peer claiming rank {rank_c} failed authentication")
     await send_all(loop, sock, _ACCEPT)
-    return rank_c
+    return int(rank_c)

@@ -106,6 +106,9 @@ class LoopbackConnection:
 
     closed = False
 
+    def broken_error(self) -> RpcShutdownError:
+        return RpcShutdownError("RPC agent is shut down")
+
     def __init__(self, transport: Transport, rank: int, label: str) -> None:
         self.peer = rank
         self.peer_label = label
@@ -113,7 +116,7 @@ class LoopbackConnection:
 
     def send(self, pieces: list[Piece]) -> None:
         if self.closed:
-            raise RpcShutdownError("RPC agent is shut down")
+            raise self.broken_error()
         head = pieces[0]
         kind, flags, nbuf, meta_len, message_id = HEADER.unpack_from(head)
         start = HEADER.size + 8 * nbuf
@@ -404,4 +407,3 @@ def _peer_name(sock: socket.socket) -> str:
     except OSError:
         return "?"
     return "a local process" if isinstance(name, (str, bytes)) else f"{name[0]}:{name[1]}"
-

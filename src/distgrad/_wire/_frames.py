@@ -145,7 +145,9 @@ class FrameParser:
             stop = start + _HEADER_SIZE + meta_len
             if nbuf or meta_len > limit or stop > end or kind not in _KINDS:
                 break  # the general parser validates, waits, or raises
-            frames.append(Frame(kind, message_id, bytes(view[start + _HEADER_SIZE : stop]), [], flags))
+            frames.append(
+                Frame(kind, message_id, bytes(view[start + _HEADER_SIZE : stop]), [], flags)
+            )
             start = stop
         self._start = start
 
@@ -222,7 +224,9 @@ class FrameParser:
                 self._start_direct(allocate_buffer(n))
                 if self._direct is not None:
                     return None
-        frame = Frame(kind, message_id, self._meta, self._buffers, flags)
+        meta = self._meta
+        assert meta is not None
+        frame = Frame(kind, message_id, meta, self._buffers, flags)
         self._header = self._lengths = self._meta = None
         self._buffers = []
         return frame
@@ -241,6 +245,8 @@ class FrameParser:
         assert self._direct is not None
         done, self._direct = self._direct, None
         if self._meta is None:
-            self._meta = done.obj  # the bytearray allocated for a large pickle stream
+            meta = done.obj  # the bytearray allocated for a large pickle stream
+            assert isinstance(meta, bytearray)
+            self._meta = meta
         else:
             self._buffers.append(done)

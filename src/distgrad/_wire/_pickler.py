@@ -50,7 +50,7 @@ def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
         (nbytes,),
         (1,),
     )
-    return memoryview(as_bytes.numpy())
+    return memoryview(as_bytes.numpy())  # type: ignore[arg-type]
 
 
 _HUGE_THRESHOLD = 2 * 1024 * 1024
@@ -74,8 +74,8 @@ def allocate_buffer(nbytes: int) -> memoryview:
             region.madvise(_MADV_HUGEPAGE)
         except OSError:
             pass
-        return memoryview(numpy.frombuffer(region, dtype=numpy.uint8))
-    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
+        return memoryview(numpy.frombuffer(region, dtype=numpy.uint8))  # type: ignore[arg-type]
+    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))  # type: ignore[arg-type]
 
 
 def _buffer_tensor(buf: Any) -> torch.Tensor:
@@ -123,7 +123,7 @@ def _span(tensor: torch.Tensor) -> int:
     """Number of elements between the first and the last element the view touches."""
     if tensor.numel() == 0:
         return 0
-    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
 
 
 DeviceCheck = Callable[[torch.Tensor], torch.Tensor]
@@ -142,7 +142,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.device.type != "cpu":
         device_check: DeviceCheck | None = getattr(_policy, "device_check", None)
         if device_check is None:
-            return tensor.__reduce_ex__(5)
+            return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
         tensor = device_check(tensor)
     if tensor.layout == torch.sparse_coo:
         # indices and values are dense tensors: they come back through this table
@@ -157,7 +157,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
             ),
         )
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-        return tensor.__reduce_ex__(5)
+        return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
     tensor = tensor.detach()
     numel = tensor.numel()
     if not tensor.is_contiguous() and _span(tensor) > 2 * numel:
@@ -244,6 +244,6 @@ def dumps(
     return data, out
 
 
-def loads(data: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
+def loads(data: bytes | bytearray | memoryview, buffers: Iterable[Any] = ()) -> Any:
     """Unpickle a stream produced by :func:`dumps` with its received buffers."""
     return pickle.loads(data, buffers=buffers)

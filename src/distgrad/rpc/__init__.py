@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-from .._config import (
-    DEFAULT_INIT_METHOD,
-    DEFAULT_NUM_WORKER_THREADS,
-    DEFAULT_RPC_TIMEOUT_SEC,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    UNSET_RPC_TIMEOUT,
-)
 from .._errors import (
     DistgradError,
     HandshakeError,
@@ -18,6 +11,7 @@ from .._errors import (
     RpcShutdownError,
     RpcTimeoutError,
 )
+from .._rpc import _api as _api_impl
 from .._rpc._agent import RpcAgent as _RpcAgent
 from .._rpc._agent import current_agent as _current_agent
 from .._rpc._api import (
@@ -28,8 +22,6 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
-from .._rpc._api import set_rpc_timeout as _set_rpc_timeout
-from .._rpc._api import wait_all as _wait_all
 from .._rpc._options import (
     BackendType,
     BackendValue,
@@ -72,8 +64,8 @@ __all__ = [
     "shutdown",
 ]
 
-_ = (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC)
-_ = (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, _set_rpc_timeout, _wait_all)
+_set_rpc_timeout = _api_impl.set_rpc_timeout
+_wait_all = _api_impl.wait_all
 
 
 def is_available() -> bool:
