@@ -13,8 +13,9 @@ Threads, and what runs where:
 * the **callback pool** completes ``rpc_async`` futures, so user callbacks (``then``,
   ``add_done_callback``) never run on the I/O thread and may themselves make RPCs.
 
-A request and its response carry a pickled tuple: ``(func, args, kwargs, ext)`` and
-``(result, ext)``; ``ext`` is reserved for the layers above (autograd metadata, profiling).
+A request carries ``(func, args, kwargs)`` and a response the result; tensors travel in the
+message's tensor table, together with an ``ext`` object that belongs to the layer above (see
+``_extension``: distributed autograd attaches its metadata there).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.jit._builtins import _find_builtin as _find_builtin_untyped
 
 from .. import _config
 from .._errors import (
@@ -47,7 +49,8 @@ from .._transport._transport import (
     TransportStatistics,
 )
 from .._wire._frames import Frame, Kind, encode_frame
-from .._wire._pickler import dumps, loads
+from .._wire._pickler import decode, dumps, encode, loads
+from . import _extension
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload
@@ -60,6 +63,8 @@ _TICK = 0.02  # resolution of rpc_async timeouts, seconds
 
 AnyConnection = Connection | LoopbackConnection
 
+_find_builtin: Callable[[Any], Any] = _find_builtin_untyped
+
 _UDF_MISSING = (
     "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
     "both caller and callee modules."
@@ -67,10 +72,9 @@ _UDF_MISSING = (
 
 
 def _is_builtin(func: Any) -> bool:
-    from torch.jit._builtins import _find_builtin
-
+    """True for torch operators that the reference runs as builtins (e.g. ``torch.add``)."""
     try:
-        return _find_builtin(func) is not None  # type: ignore[no-untyped-call]
+        return _find_builtin(func) is not None
     except Exception:
         return False
 
@@ -78,7 +82,17 @@ def _is_builtin(func: Any) -> bool:
 class _Call:
     """One outgoing request waiting for its response."""
 
-    __slots__ = ("cid", "conn", "error", "frame", "future", "internal", "lock", "slot", "timeout")
+    __slots__ = (
+        "cid",
+        "conn",
+        "error",
+        "frame",
+        "future",
+        "internal",
+        "lock",
+        "slot",
+        "timeout",
+    )
 
     def __init__(
         self,
@@ -213,6 +227,7 @@ class RpcAgent(FrameHandler):
         timeout: float,
         future: torch.futures.Future[Any] | None,
         internal: bool,
+        force: bool,
     ) -> tuple[int, _Call]:
         if self._stopped:
             raise RpcShutdownError(
@@ -221,7 +236,13 @@ class RpcAgent(FrameHandler):
             )
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
-        meta, buffers = dumps(payload)
+        extension = _extension.get_extension()
+        if extension is None or internal:
+            encoded = encode(payload)
+        else:
+            encoded = encode(
+                payload, lambda tensors: extension.outgoing_request(dst.id, tensors, force)
+            )
         cid = next(self._ids)
         call = _Call(cid, conn, self._effective_timeout(timeout), internal, future)
         if not internal:
@@ -229,7 +250,9 @@ class RpcAgent(FrameHandler):
                 self._active += 1
         self._calls[cid] = call
         try:
-            conn.send(encode_frame(Kind.REQUEST, cid, meta, buffers))
+            conn.send(
+                encode_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
+            )
         except BaseException:
             if self._calls.pop(cid, None) is not None:
                 self._done(call)
@@ -247,11 +270,14 @@ class RpcAgent(FrameHandler):
         kwargs: dict[str, Any],
         timeout: float = -1.0,
         *,
-        ext: Any = None,
+        force: bool = True,
         internal: bool = False,
     ) -> Any:
-        """Send a request and wait for its result (raising remote errors)."""
-        cid, call = self._send(dst, (func, args, kwargs, ext), timeout, None, internal)
+        """Send a request and wait for its result (raising remote errors).
+
+        ``force`` asks the extension to record the call even without grad-requiring tensors
+        (torch records every Python UDF call inside a context, but not builtin operators)."""
+        cid, call = self._send(dst, (func, args, kwargs), timeout, None, internal, force)
         lock = call.lock
         assert lock is not None
         if call.timeout > 0:
@@ -272,12 +298,12 @@ class RpcAgent(FrameHandler):
         kwargs: dict[str, Any],
         timeout: float = -1.0,
         *,
-        ext: Any = None,
+        force: bool = True,
         internal: bool = False,
     ) -> torch.futures.Future[Any]:
         """Send a request; return a ``torch.futures.Future`` of its result."""
         future: torch.futures.Future[Any] = torch.futures.Future()
-        cid, call = self._send(dst, (func, args, kwargs, ext), timeout, future, internal)
+        cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
         if call.timeout > 0:
             self._arm_timeout(cid, call)
         return future
@@ -290,8 +316,16 @@ class RpcAgent(FrameHandler):
         if frame.kind == Kind.ERROR:
             message, tb, pickled_type = loads(frame.meta)
             raise exception_from_payload(message, tb, pickled_type)
-        result, _ext = loads(frame.meta, frame.buffers)
-        return result
+        extension = _extension.get_extension()
+        if extension is None or call.internal:
+            return decode(frame.meta, frame.buffers, frame.flags)[1]
+        peer = call.conn.peer
+        return decode(
+            frame.meta,
+            frame.buffers,
+            frame.flags,
+            lambda ext, tensors: extension.incoming_response(peer, ext, tensors),
+        )[1]
 
     def _complete_future(self, call: _Call) -> None:
         future = call.future
@@ -375,8 +409,19 @@ class RpcAgent(FrameHandler):
 
     # -- serving (worker threads) ----------------------------------------------------------------
     def _serve(self, conn: AnyConnection, frame: Frame) -> None:
+        extension = _extension.get_extension()
+        states: list[Any] = []
+
+        def on_table(ext: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            assert extension is not None
+            tensors, state = extension.incoming_request(conn.peer, ext, tensors)
+            states.append(state)
+            return tensors
+
         try:
-            func, args, kwargs, _ext = loads(frame.meta, frame.buffers)
+            _ext, (func, args, kwargs) = decode(
+                frame.meta, frame.buffers, frame.flags, on_table if extension else None
+            )
         except (AttributeError, ImportError) as exc:
             self._reply_error(conn, frame.message_id, RuntimeError(f"{_UDF_MISSING} ({exc!r})"))
             return
@@ -386,18 +431,33 @@ class RpcAgent(FrameHandler):
             )
             return
         del frame.buffers[:]
+        state = states[0] if states else None
         try:
-            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                self._serve_async(conn, frame.message_id, func, args, kwargs)
-                return
-            result = func(*args, **(kwargs or {}))
+            if state is None:
+                if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                    self._serve_async(conn, frame.message_id, func, args, kwargs, None)
+                    return
+                result = func(*args, **(kwargs or {}))
+            else:
+                assert extension is not None
+                with extension.scope(state):
+                    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                        self._serve_async(conn, frame.message_id, func, args, kwargs, state)
+                        return
+                    result = func(*args, **(kwargs or {}))
         except BaseException as exc:
             self._reply_error(conn, frame.message_id, exc, builtin=_is_builtin(func))
             return
-        self._reply(conn, frame.message_id, result)
+        self._reply(conn, frame.message_id, result, state)
 
     def _serve_async(
-        self, conn: AnyConnection, message_id: int, func: Any, args: Any, kwargs: Any
+        self,
+        conn: AnyConnection,
+        message_id: int,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: Any,
     ) -> None:
         future = func(*args, **(kwargs or {}))
         if not isinstance(future, torch.futures.Future):
@@ -413,17 +473,27 @@ class RpcAgent(FrameHandler):
             except BaseException as exc:
                 self._reply_error(conn, message_id, exc)
                 return
-            self._reply(conn, message_id, result)
+            self._reply(conn, message_id, result, state)
 
         future.add_done_callback(respond)
 
-    def _reply(self, conn: AnyConnection, message_id: int, result: Any) -> None:
+    def _reply(self, conn: AnyConnection, message_id: int, result: Any, state: Any) -> None:
+        extension = _extension.get_extension()
         try:
-            meta, buffers = dumps((result, None))
+            if state is None or extension is None:
+                encoded = encode(result)
+            else:
+                peer = conn.peer
+                encoded = encode(
+                    result, lambda tensors: extension.outgoing_response(state, peer, tensors)
+                )
         except BaseException as exc:
             self._reply_error(conn, message_id, exc)
             return
-        self._write(conn, encode_frame(Kind.RESPONSE, message_id, meta, buffers))
+        self._write(
+            conn,
+            encode_frame(Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, encoded.flags),
+        )
 
     def _reply_error(
         self, conn: AnyConnection, message_id: int, exc: BaseException, builtin: bool = False

@@ -15,7 +15,7 @@ import torch
 from .. import _config
 from .._errors import RpcTimeoutError
 from . import _collectives, _rendezvous
-from ._agent import RpcAgent, current_agent, set_current_agent
+from ._agent import RpcAgent, _is_builtin, current_agent, set_current_agent
 from ._options import (
     BackendType,
     RpcBackendOptions,
@@ -217,7 +217,9 @@ def rpc_sync(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
-    return agent.call_sync(dst, func, tuple(args) if args else (), kwargs or {}, timeout)
+    return agent.call_sync(
+        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not _is_builtin(func)
+    )
 
 
 @_require_initialized
@@ -233,7 +235,9 @@ def rpc_async(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
-    future = agent.call_async(dst, func, tuple(args) if args else (), kwargs or {}, timeout)
+    future = agent.call_async(
+        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not _is_builtin(func)
+    )
     collected = getattr(_wait_all_state, "futures", None)
     if collected is not None:
         collected.append(future)

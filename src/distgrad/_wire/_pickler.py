@@ -13,6 +13,12 @@ other view is made contiguous first, so a small slice never drags a large storag
 Sparse COO tensors travel as their (dense) indices and values. Other layouts and tensor
 subclasses fall back to their own ``__reduce_ex__``, whose inner plain tensors come back
 through this pickler.
+
+A message with tensors is two pickle streams back to back, as torch's RPC pickler keeps a
+side "tensor table": the *table* ``(ext, [tensors])`` carries every tensor's bytes, and the
+*payload* refers to tensors by index. The receiver builds the table first, so a layer above
+(distributed autograd) can attach all received tensors to one recv function before the payload
+-- which may hold them anywhere, inside any object -- is built around them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import io
 import mmap
 import pickle
 import threading
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,9 +38,12 @@ import torch
 from .._errors import DistgradError
 
 __all__ = [
-    "TensorPickler",
+    "HAS_TABLE",
+    "Encoded",
     "allocate_buffer",
+    "decode",
     "dumps",
+    "encode",
     "loads",
 ]
 
@@ -176,74 +186,176 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     )
 
 
-_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
-_DISPATCH[torch.Tensor] = _reduce_tensor
+def _table_ref(index: int) -> torch.Tensor:
+    """Unpickling side of a tensor reference: the tensor from the message's table."""
+    return _receiving.table[index]
+
+
+def _reduce_tensor_ref(tensor: torch.Tensor) -> Any:
+    """Pickling side: put the tensor in the message's table, leave its index in the stream."""
+    table: list[torch.Tensor] = _policy.table
+    table.append(tensor)
+    return (_table_ref, (len(table) - 1,))
+
+
+# The payload stream refers to tensors by index; the table stream carries their bytes.
+_PAYLOAD_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
+_TABLE_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
+_PAYLOAD_DISPATCH[torch.Tensor] = _reduce_tensor_ref
+_TABLE_DISPATCH[torch.Tensor] = _reduce_tensor
 for _future_type in (torch.futures.Future, torch._C.Future):
-    _DISPATCH[_future_type] = _reduce_future
+    _PAYLOAD_DISPATCH[_future_type] = _reduce_future
+    _TABLE_DISPATCH[_future_type] = _reduce_future
 
 
-class TensorPickler(pickle.Pickler):
-    """Protocol-5 pickler that sends tensor bytes out of band.
-
-    ``buffers`` receives one ``PickleBuffer`` per tensor buffer, in stream order; each keeps
-    its tensor's storage alive until it is dropped, so the caller may write them at leisure.
-    The table is looked up in C by exact type: plain tensors and futures cost nothing extra
-    for the other objects of a message (a ``reducer_override`` would be a Python call each).
-    """
-
-    dispatch_table = _DISPATCH
-
-    def __init__(self, file: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> None:
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+class _PayloadPickler(pickle.Pickler):
+    dispatch_table = _PAYLOAD_DISPATCH
 
 
-class _ThreadPickler(threading.local):
-    """A pickler per thread, reused across messages: constructing one costs more than a small
-    message's whole pickling. Re-entrant use on one thread falls back to a fresh pickler."""
+class _TablePickler(pickle.Pickler):
+    dispatch_table = _TABLE_DISPATCH
+
+
+class _ThreadPicklers(threading.local):
+    """Picklers per thread, reused across messages: constructing one costs more than a small
+    message's whole pickling. Re-entrant use on one thread falls back to fresh ones."""
 
     def __init__(self) -> None:
         self.file = io.BytesIO()
         self.buffers: list[pickle.PickleBuffer] = []
-        self.pickler = TensorPickler(self.file, self.buffers)
+        self.payload = _PayloadPickler(self.file, protocol=5, buffer_callback=self.buffers.append)
+        self.table_file = io.BytesIO()
+        self.table_buffers: list[pickle.PickleBuffer] = []
+        self.table = _TablePickler(
+            self.table_file, protocol=5, buffer_callback=self.table_buffers.append
+        )
         self.busy = False
 
 
-_cached = _ThreadPickler()
+_cached = _ThreadPicklers()
 
 
-def dumps(
+class _Receiving(threading.local):
+    table: list[torch.Tensor]
+
+    def __init__(self) -> None:
+        self.table = []
+
+
+_receiving = _Receiving()
+
+#: Frame flag: the pickle stream is a tensor table followed by the payload.
+HAS_TABLE = 1
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A pickled message: ``meta`` (the stream) and the out-of-band ``buffers`` to send after
+    it; ``tensors`` are the message's tensors in message order (what autograd records)."""
+
+    meta: bytes
+    buffers: list[pickle.PickleBuffer]
+    tensors: list[torch.Tensor]
+    flags: int
+
+
+def encode(
     obj: Any,
+    make_ext: Callable[[list[torch.Tensor]], Any] | None = None,
     device_check: DeviceCheck | None = None,
-) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    """Pickle ``obj``; return the stream and the out-of-band buffers (zero-copy).
+) -> Encoded:
+    """Pickle ``obj`` for the wire.
 
-    ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g.
-    a CPU copy) or raises; without one, such tensors use their own (copying) reduction.
+    Tensors are collected into a table while ``obj`` is pickled; ``make_ext(tensors)`` (if
+    given) then returns the message's extension object (e.g. autograd metadata, which depends
+    on the tensors), and the table stream -- ``(ext, tensors)`` with the tensor bytes as
+    out-of-band buffers -- goes in front of the payload stream. A message without tensors or
+    extension is the payload stream alone. ``device_check`` is called with every non-CPU tensor
+    and returns the tensor to send (e.g. a CPU copy) or raises.
     """
     cache = _cached
-    if cache.busy:
+    reuse = not cache.busy
+    if reuse:
+        cache.busy = True
+        file, buffers, pickler = cache.file, cache.buffers, cache.payload
+    else:
         file = io.BytesIO()
         buffers: list[pickle.PickleBuffer] = []
-        pickler = TensorPickler(file, buffers)
-    else:
-        cache.busy = True
-        file, buffers, pickler = cache.file, cache.buffers, cache.pickler
-    _policy.device_check = device_check
+        pickler = _PayloadPickler(file, protocol=5, buffer_callback=buffers.append)
+    tensors: list[torch.Tensor] = []
+    previous = getattr(_policy, "table", None)
+    _policy.table = tensors
     try:
         pickler.dump(obj)
-        data = file.getvalue()
-        out = list(buffers)
+        payload = file.getvalue()
+        payload_buffers = list(buffers)
+        ext = make_ext(tensors) if make_ext is not None else None
+        if not tensors and ext is None:
+            return Encoded(payload, payload_buffers, tensors, 0)
+        if reuse:
+            table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
+        else:
+            table_file, table_buffers = io.BytesIO(), []
+            table = _TablePickler(table_file, protocol=5, buffer_callback=table_buffers.append)
+        _policy.device_check = device_check
+        table.dump((ext, tensors))
+        # the table is read first, so its buffers go first
+        return Encoded(
+            table_file.getvalue() + payload, table_buffers + payload_buffers, tensors, HAS_TABLE
+        )
     finally:
+        _policy.table = previous
         _policy.device_check = None
-        if file is cache.file:
-            file.seek(0)
-            file.truncate()
-            buffers.clear()
-            pickler.clear_memo()
+        if reuse:
+            for f in (cache.file, cache.table_file):
+                f.seek(0)
+                f.truncate()
+            cache.buffers.clear()
+            cache.table_buffers.clear()
+            cache.payload.clear_memo()
+            cache.table.clear_memo()
             cache.busy = False
-    return data, out
 
 
-def loads(data: bytes | bytearray | memoryview, buffers: Iterable[Any] = ()) -> Any:
+OnTable = Callable[[Any, list[torch.Tensor]], list[torch.Tensor]]
+
+
+def decode(
+    meta: bytes | bytearray | memoryview,
+    buffers: Iterable[Any] = (),
+    flags: int = 0,
+    on_table: OnTable | None = None,
+) -> tuple[Any, Any]:
+    """Unpickle a message; return ``(ext, obj)``.
+
+    ``on_table(ext, tensors)`` (if given) sees the received tensors before the payload is
+    built and returns the tensors the payload should contain instead (autograd substitutes
+    tensors attached to its recv function here).
+    """
+    if not flags & HAS_TABLE:
+        return None, pickle.loads(meta, buffers=buffers)
+    unpickler = pickle.Unpickler(io.BytesIO(meta), buffers=buffers)
+    ext, tensors = unpickler.load()
+    if on_table is not None:
+        tensors = on_table(ext, tensors)
+    receiving = _receiving
+    previous = receiving.table
+    receiving.table = tensors
+    try:
+        obj = unpickler.load()
+    finally:
+        receiving.table = previous
+    return ext, obj
+
+
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer], int]:
+    """Pickle ``obj`` (no extension): the stream, its buffers and the frame flags."""
+    encoded = encode(obj)
+    return encoded.meta, encoded.buffers, encoded.flags
+
+
+def loads(
+    meta: bytes | bytearray | memoryview, buffers: Iterable[Any] = (), flags: int = 0
+) -> Any:
     """Unpickle a stream produced by :func:`dumps` with its received buffers."""
-    return pickle.loads(data, buffers=buffers)
+    return decode(meta, buffers, flags)[1]
