@@ -148,6 +148,8 @@ class RpcAgent(FrameHandler):
         self._stopped = False
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
         self.shutdown_hooks: list[Callable[[], None]] = []
+        #: called (on a callback thread) with the rank and error of every peer found dead
+        self.peer_failure_listeners: list[Callable[[int, Exception], None]] = []
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -406,6 +408,8 @@ class RpcAgent(FrameHandler):
             if call is not None:
                 call.error = PeerFailureError(str(error), conn.peer_label)
                 self._finish(call)
+        for listener in list(self.peer_failure_listeners):
+            self._callbacks.submit(listener, conn.peer, error)
 
     # -- serving (worker threads) ----------------------------------------------------------------
     def _serve(self, conn: AnyConnection, frame: Frame) -> None:

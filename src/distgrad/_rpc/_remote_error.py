@@ -24,12 +24,14 @@ def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tupl
     """What an ERROR frame carries: ``(message, traceback text, pickled type)``.
 
     The message is the reference's (``"On WorkerInfo(...):\\n{repr(e)}\\n{traceback}"``), so
-    a caller's ``match=`` keeps working; errors of builtin operators keep their bare message.
+    a caller's ``match=`` keeps working; errors of builtin operators, and exceptions whose class
+    sets ``verbatim_over_rpc`` (distgrad's own chained errors), keep their bare message.
     The type travels by reference in a nested pickle, so that a type the caller cannot import
     still leaves the message readable (it then arrives as RuntimeError).
     """
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    message = str(exc) if builtin else f"On {where}:\n{exc!r}\n{tb}"
+    verbatim = builtin or getattr(exc, "verbatim_over_rpc", False)
+    message = str(exc) if verbatim else f"On {where}:\n{exc!r}\n{tb}"
     try:
         pickled_type = pickle.dumps(type(exc), protocol=5)
     except Exception:

@@ -334,8 +334,11 @@ def decode(
     """
     if not flags & HAS_TABLE:
         return None, pickle.loads(meta, buffers=buffers)
-    unpickler = pickle.Unpickler(io.BytesIO(meta), buffers=buffers)
-    ext, tensors = unpickler.load()
+    # two streams, two unpicklers (each stream has its own memo), one buffer sequence
+    file = io.BytesIO(meta)
+    buffer_iter = iter(buffers)
+    ext, tensors = pickle.Unpickler(file, buffers=buffer_iter).load()
+    unpickler = pickle.Unpickler(file, buffers=buffer_iter)
     if on_table is not None:
         tensors = on_table(ext, tensors)
     receiving = _receiving

@@ -1,0 +1,458 @@
+"""The distributed backward engine.
+
+How a pass runs (see docs/design.md, "Distributed backward pass", for the reasoning):
+
+* **Sources.** On each worker, torch's engine is started from *sources*: the roots (on the
+  worker that called ``backward``) and the send functions that receive gradients. Each
+  arriving gradient message runs torch's engine at once from its send function (pipelining;
+  messages already waiting are batched into one run). Gradients are linear, so running the
+  shared parts of the graph once per message gives the same result as one combined run.
+* **Recv functions** are never executed: the gradients flowing into them are captured at
+  their edges and shipped to the sender as a *partial* message. A recv function is *final*
+  once every source that can reach it is resolved; its last message carries ``final`` and
+  the number of gradient messages it sent in this pass.
+* **Resolution.** A send function is resolved when its peer's final message and all the
+  gradient messages it announced have been processed. A recv function no source can reach is
+  final at once, with no gradients -- that is how a pass whose RPC results are partly unused
+  by the loss finishes (the reference waits forever for gradients that never come).
+  Resolution follows the forward's causality backwards, so it always terminates.
+* **Start.** A worker joins a pass on the first message of it: ``START`` (flooded along each
+  context's known workers when a worker joins), or a gradient message. Joining computes the
+  reachability of recv functions from sources (one walk of the local graph).
+* **Completion by deferred replies.** The first message a worker receives in a pass is
+  answered only when that worker's part is complete (all sources resolved, all recv functions
+  final, all its own messages answered); later messages are answered at once. The first
+  messages form a tree rooted at the caller of ``backward``, so there is no cycle of waits,
+  and ``backward`` returns exactly when the whole pass has finished. No barrier, no polling.
+* **Errors** fail the pass where they happen and travel up that tree, each hop prefixing
+  ``Error on Node N: ``. The context survives; a new pass supersedes a stale one. A dead
+  peer fails every pass that waits on it (through the agent's failure detection).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from .._errors import DistgradError
+from .._rpc._agent import current_agent
+from .._rpc._functions import async_execution
+from ._context import CONTAINER, DistAutogradContext
+from ._functions import RecvRecord, SendRecord
+
+__all__ = ["BackwardError", "backward", "install"]
+
+_log = logging.getLogger("distgrad.autograd")
+
+ROOT = -1  # the source key of the roots; send functions use their message id
+_pass_ids = itertools.count()
+_ALL_PASSES: set[Pass] = set()
+_PASSES_LOCK = threading.Lock()
+
+
+class BackwardError(DistgradError):
+    """A distributed backward pass failed; the message is the hop-by-hop chain."""
+
+    verbatim_over_rpc = True
+
+
+def _done_future() -> torch.futures.Future[None]:
+    future: torch.futures.Future[None] = torch.futures.Future()
+    future.set_result(None)
+    return future
+
+
+class _Source:
+    __slots__ = ("expected", "final_seen", "key", "leaves", "processed", "recvs", "resolved", "shared")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.leaves: dict[int, torch.Tensor] = {}
+        self.recvs: set[int] = set()
+        self.shared = False
+        self.resolved = False
+        self.final_seen = False
+        self.expected = 0
+        self.processed = 0
+
+
+class _RecvState:
+    __slots__ = ("final", "record", "sent", "sources")
+
+    def __init__(self, record: RecvRecord) -> None:
+        self.record = record
+        self.sources: set[int] = set()
+        self.sent = 0
+        self.final = False
+
+
+class Pass:
+    """One worker's part of one distributed backward pass over one context."""
+
+    def __init__(
+        self,
+        ctx: DistAutogradContext,
+        pass_id: tuple[int, int],
+        retain_graph: bool,
+        roots: list[torch.Tensor] | None,
+    ) -> None:
+        self.ctx = ctx
+        self.pass_id = pass_id
+        self.retain_graph = retain_graph
+        self.roots = roots
+        self.worker_id = CONTAINER.worker_id
+        self.sources: dict[int, _Source] = {}
+        self.recvs: dict[int, _RecvState] = {}
+        self.outstanding: set[torch.futures.Future[Any]] = set()
+        self.done: torch.futures.Future[None] = torch.futures.Future()
+        self.finished = False
+        self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
+
+    # -- joining -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Analyse the local graph, tell the known workers, finalise unreachable recvs."""
+        install()
+        ctx = self.ctx
+        sends: dict[int, SendRecord] = dict(ctx.send_functions)
+        recv_records: dict[int, RecvRecord] = dict(ctx.recv_functions)
+        by_node = {id(r.node): r.msg_id for r in recv_records.values()}
+        for msg_id, record in recv_records.items():
+            self.recvs[msg_id] = _RecvState(record)
+        starts: dict[int, list[Any]] = {k: [r.node] for k, r in sends.items()}
+        if self.roots is not None:
+            starts[ROOT] = [root.grad_fn for root in self.roots]
+        owner: dict[int, int] = {}
+        for key, nodes in starts.items():
+            source = self.sources[key] = _Source(key)
+            for node_id in self._walk(nodes, source, by_node):
+                other = owner.setdefault(node_id, key)
+                if other != key:
+                    source.shared = True
+                    self.sources[other].shared = True
+        for key, source in self.sources.items():
+            for msg_id in source.recvs:
+                self.recvs[msg_id].sources.add(key)
+        with _PASSES_LOCK:
+            _ALL_PASSES.add(self)
+        for worker in sorted(ctx.known_worker_ids):
+            if worker != self.worker_id:
+                self._message(worker, _start_message, (ctx.context_id, self.pass_id, self.retain_graph, self.worker_id))
+        self._flush_recvs()
+
+    def _walk(self, nodes: list[Any], source: _Source, by_node: dict[int, int]) -> set[int]:
+        seen: set[int] = set()
+        stack = list(nodes)
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            self._keep.append(node)
+            recv = by_node.get(id(node))
+            if recv is not None:
+                source.recvs.add(recv)
+                continue
+            if type(node).__name__ == "AccumulateGrad":
+                variable = node.variable
+                source.leaves[id(variable)] = variable
+                continue
+            stack.extend(edge[0] for edge in node.next_functions)
+        return seen
+
+    # -- running torch's engine ------------------------------------------------------------------
+    def run(self, items: list[tuple[int, tuple[torch.Tensor, ...], list[torch.Tensor], bool]]) -> None:
+        """One engine run from several sources: ``(key, outputs, grads, last)`` each."""
+        outputs: list[torch.Tensor] = []
+        grad_outputs: list[torch.Tensor] = []
+        leaves: dict[int, torch.Tensor] = {}
+        recv_ids: set[int] = set()
+        retain = self.retain_graph
+        for key, outs, grads, last in items:
+            source = self.sources[key]
+            outputs.extend(outs)
+            grad_outputs.extend(grads)
+            leaves.update(source.leaves)
+            recv_ids.update(source.recvs)
+            retain = retain or source.shared or not last
+        leaf_list = list(leaves.values())
+        recv_list = sorted(recv_ids)
+        inputs: list[Any] = list(leaf_list)
+        for msg_id in recv_list:
+            inputs.extend(self.recvs[msg_id].record.edges)
+        if not inputs:
+            return
+        grads = torch.autograd.grad(
+            outputs,
+            inputs,
+            grad_outputs,
+            retain_graph=retain,
+            allow_unused=True,
+            materialize_grads=False,
+        )
+        for leaf, grad in zip(leaf_list, grads, strict=False):
+            if grad is not None:
+                self.ctx.accumulate_grad(leaf, grad)
+        position = len(leaf_list)
+        for msg_id in recv_list:
+            state = self.recvs[msg_id]
+            width = len(state.record.edges)
+            captured = list(grads[position : position + width])
+            position += width
+            self._send_grads(state, state.record.fill(captured))
+
+    # -- messages --------------------------------------------------------------------------------
+    def _send_grads(self, state: _RecvState, grads: list[torch.Tensor] | None) -> None:
+        """Send gradients (or, with ``None``, only the final marker) for a recv function."""
+        if grads is not None:
+            state.sent += 1
+        final = self._recv_ready(state)
+        if final:
+            state.final = True
+        elif grads is None:
+            return
+        record = state.record
+        self._message(
+            record.src,
+            _grad_message,
+            (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, record.msg_id, grads, final, state.sent),
+        )
+
+    def _recv_ready(self, state: _RecvState) -> bool:
+        return all(self.sources[key].resolved for key in state.sources)
+
+    def _flush_recvs(self) -> None:
+        """Send final markers for recv functions whose sources are all resolved."""
+        for state in self.recvs.values():
+            if not state.final and self._recv_ready(state):
+                self._send_grads(state, None)
+        self._check_done()
+
+    def _message(self, worker: int, func: Any, args: tuple[Any, ...]) -> None:
+        agent = current_agent()
+        if agent is None:
+            raise BackwardError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
+        future = agent.call_async(agent.get_worker_info(worker), func, args, {}, 0, internal=True)
+        self.outstanding.add(future)
+        future.add_done_callback(self._on_reply)
+
+    def _on_reply(self, future: torch.futures.Future[Any]) -> None:
+        with self.ctx.lock:
+            self.outstanding.discard(future)
+            try:
+                future.wait()
+            except Exception as exc:
+                self.fail(exc)
+                return
+            self._check_done()
+
+    # -- resolution and completion ---------------------------------------------------------------
+    def resolve(self, key: int) -> None:
+        source = self.sources[key]
+        if not source.resolved:
+            source.resolved = True
+            self._flush_recvs()
+
+    def on_grad_message(
+        self, msg_id: int, grads: list[torch.Tensor] | None, final: bool, total: int
+    ) -> None:
+        source = self.sources.get(msg_id)
+        record: SendRecord | None = self.ctx.send_functions.get(msg_id)
+        if source is None or record is None:
+            raise BackwardError(f"Could not find send function for autograd message id: {msg_id}")
+        if final:
+            source.final_seen = True
+            source.expected = total
+        if grads is not None:
+            source.processed += 1
+            last = source.final_seen and source.processed == source.expected
+            self.run([(msg_id, record.outputs, grads, last)])
+        if source.final_seen and source.processed == source.expected:
+            self.resolve(msg_id)
+        else:
+            self._check_done()
+
+    def _check_done(self) -> None:
+        if self.finished or self.outstanding:
+            return
+        if not all(s.resolved for s in self.sources.values()):
+            return
+        if not all(r.final for r in self.recvs.values()):
+            return
+        self._finish()
+        self.done.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if self.finished:
+            return
+        self._finish()
+        detail = str(error) if str(error) else repr(error)
+        self.done.set_exception(BackwardError(f"Error on Node {self.worker_id}: {detail}"))
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self.ctx.pass_state is self:
+            self.ctx.pass_state = None
+        self.ctx.last_pass_id = self.pass_id
+        self._keep.clear()
+        with _PASSES_LOCK:
+            _ALL_PASSES.discard(self)
+
+    def waits_on(self, worker: int) -> bool:
+        """True if this pass still needs something from ``worker``."""
+        for key, source in self.sources.items():
+            if key != ROOT and not source.resolved and self.ctx.send_functions[key].dst == worker:
+                return True
+        return False
+
+
+# -- entry points ----------------------------------------------------------------------------------
+def _validate_roots(roots: list[torch.Tensor]) -> None:
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
+    for root in roots:
+        name = root.name or ""
+        if not root.requires_grad:
+            raise RuntimeError("requires_grad not set on root")
+        if root.numel() != 1:
+            raise RuntimeError(f"{name} is not a scalar, all roots need to be scalar")
+        if root.grad_fn is None:
+            raise RuntimeError(f"{name} does not have a valid gradient function.")
+
+
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the backward pass of ``roots`` across every worker of the context; block until the
+    whole pass finished. Gradients accumulate in the context (``get_gradients``)."""
+    if not isinstance(context_id, int) or not isinstance(roots, (list, tuple)):
+        raise TypeError(
+            "backward(): incompatible function arguments. The following argument types are "
+            "supported: (context_id: int, roots: List[Tensor], retain_graph: bool = False)"
+        )
+    ctx = CONTAINER.retrieve_context(context_id)
+    roots = list(roots)
+    _validate_roots(roots)
+    with ctx.lock:
+        stale = ctx.pass_state
+        if stale is not None:
+            stale.fail(BackwardError("superseded by a new backward pass"))
+        current = Pass(ctx, (CONTAINER.worker_id, next(_pass_ids)), retain_graph, roots)
+        ctx.pass_state = current
+        try:
+            current.start()
+            ones = [torch.ones_like(root) for root in roots]
+            current.run([(ROOT, tuple(roots), ones, True)])
+            current.resolve(ROOT)
+        except Exception as exc:
+            current.fail(exc)
+    current.done.wait()
+
+
+def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> tuple[Pass, bool]:
+    """The pass ``pass_id`` on this worker, joining it if new; True if this message is the first."""
+    current: Pass | None = ctx.pass_state
+    if current is not None and current.pass_id == pass_id:
+        return current, False
+    if current is not None:
+        current.fail(BackwardError("superseded by a new backward pass"))
+    joined = Pass(ctx, pass_id, retain, None)
+    ctx.pass_state = joined
+    try:
+        joined.start()
+    except Exception as exc:
+        joined.fail(exc)
+    return joined, True
+
+
+def _reply_for(current: Pass, first: bool) -> torch.futures.Future[None]:
+    return current.done if first else _done_future()
+
+
+@async_execution
+def _start_message(
+    context_id: int, pass_id: tuple[int, int], retain: bool, src: int
+) -> torch.futures.Future[None]:
+    ctx = CONTAINER.retrieve_context(context_id)
+    with ctx.lock:
+        if getattr(ctx, "last_pass_id", None) == pass_id:
+            return _done_future()
+        current, first = _join(ctx, pass_id, retain)
+        return _reply_for(current, first)
+
+
+@async_execution
+def _grad_message(
+    context_id: int,
+    pass_id: tuple[int, int],
+    retain: bool,
+    src: int,
+    msg_id: int,
+    grads: list[torch.Tensor] | None,
+    final: bool,
+    total: int,
+) -> torch.futures.Future[None]:
+    ctx = CONTAINER.retrieve_context(context_id)
+    with ctx.lock:
+        current, first = _join(ctx, pass_id, retain)
+        if current.finished:
+            return _reply_for(current, first)
+        try:
+            current.on_grad_message(msg_id, grads, final, total)
+        except Exception as exc:
+            current.fail(exc)
+        return _reply_for(current, first)
+
+
+def _cleanup_message(context_id: int) -> None:
+    ctx = CONTAINER.release_context_if_present(context_id)
+    if ctx is not None:
+        _after_release(ctx)
+
+
+def _after_release(ctx: DistAutogradContext) -> None:
+    """Fail a pass in progress, and tell every known worker to release the context too."""
+    with ctx.lock:
+        if ctx.pass_state is not None:
+            ctx.pass_state.fail(
+                BackwardError(f"Could not find autograd context with id: {ctx.context_id}")
+            )
+    agent = current_agent()
+    if agent is None:
+        return
+    me = CONTAINER.worker_id
+    for worker in sorted(ctx.known_worker_ids):
+        if worker == me:
+            continue
+        try:
+            future = agent.call_async(
+                agent.get_worker_info(worker), _cleanup_message, (ctx.context_id,), {}, 0, internal=True
+            )
+        except Exception as exc:  # best effort: the peer may be gone
+            _log.debug("context %s: cleanup to worker %s not sent: %s", ctx.context_id, worker, exc)
+            continue
+        future.add_done_callback(_log_cleanup_error)
+
+
+def _log_cleanup_error(future: torch.futures.Future[Any]) -> None:
+    try:
+        future.wait()
+    except Exception as exc:
+        _log.debug("context cleanup failed: %s", exc)
+
+
+def _on_peer_failure(worker: int, error: Exception) -> None:
+    with _PASSES_LOCK:
+        passes = list(_ALL_PASSES)
+    for current in passes:
+        with current.ctx.lock:
+            if not current.finished and current.waits_on(worker):
+                current.fail(error)
+
+
+def install() -> None:
+    """Hook the engine into the RPC agent (peer failures) -- called when an agent starts."""
+    agent = current_agent()
+    if agent is not None and _on_peer_failure not in agent.peer_failure_listeners:
+        agent.peer_failure_listeners.append(_on_peer_failure)

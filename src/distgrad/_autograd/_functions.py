@@ -1,0 +1,122 @@
+"""The send and recv functions: the autograd nodes distgrad adds to torch's local graph.
+
+``SendRpcBackward`` sits in the sender's graph above the tensors of one outgoing message that
+require grad (its next edges are their gradient edges, in message order). ``RecvRpcBackward``
+is the ``grad_fn`` of every grad-requiring tensor received in one message. Both are
+``torch.autograd.Function`` nodes, so torch's own engine runs the local graph around them;
+distgrad's engine (``_engine``) decides when:
+
+* a gradient message for a send function runs torch's engine from that node's outputs;
+* the gradients flowing *into* a recv function are captured at its edges (``GradientEdge``)
+  and shipped to the sender; the recv node itself never executes (its ``backward`` raises,
+  which also stops a local ``loss.backward()`` from silently ignoring remote parts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["RecvRecord", "RecvRpc", "SendRecord", "SendRpc", "alias"]
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor on the same memory that is *not* a view (views returned by an
+    ``autograd.Function`` could not be modified in place)."""
+    if tensor.layout == torch.sparse_coo:
+        return torch.sparse_coo_tensor(
+            tensor._indices(),
+            tensor._values(),
+            tensor.shape,
+            is_coalesced=tensor.is_coalesced(),
+            check_invariants=False,
+        )
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
+
+
+class SendRpc(torch.autograd.Function):
+    """Forward: identity over the message's grad-requiring tensors. Node: ``SendRpcBackward``."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(alias(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+class RecvRpc(torch.autograd.Function):
+    """Forward: identity over received tensors. Node: ``RecvRpcBackward``."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(alias(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
+        raise RuntimeError(
+            "RecvRpcBackward was reached by a local backward pass. Graphs that contain RPC "
+            "results must be differentiated with distgrad.autograd.backward(context_id, roots)."
+        )
+
+
+@dataclass(eq=False)
+class SendRecord:
+    """A send function: its node, its outputs (they keep the node alive), the peer."""
+
+    msg_id: int
+    dst: int
+    node: Any
+    outputs: tuple[torch.Tensor, ...]
+
+
+@dataclass(eq=False)
+class RecvRecord:
+    """A recv function: its node, where gradients go, and how to zero-fill missing ones."""
+
+    msg_id: int
+    src: int
+    node: Any
+    edges: list[GradientEdge]
+    templates: list[tuple[torch.Size, torch.dtype, torch.layout]] = field(default_factory=list)
+
+    def fill(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Zero-fill undefined gradients (the peer's send function needs all of them)."""
+        out: list[torch.Tensor] = []
+        for grad, (shape, dtype, layout) in zip(grads, self.templates, strict=True):
+            if grad is not None:
+                out.append(grad)
+            elif layout == torch.sparse_coo:
+                out.append(torch.sparse_coo_tensor(torch.empty((len(shape), 0), dtype=torch.long), torch.empty((0,), dtype=dtype), shape))
+            else:
+                out.append(torch.zeros(shape, dtype=dtype))
+        return out
+
+
+def attach_send(msg_id: int, dst: int, tensors: list[torch.Tensor]) -> SendRecord:
+    """Record a send function over ``tensors`` (all require grad)."""
+    outputs = SendRpc.apply(*tensors)
+    return SendRecord(msg_id, dst, outputs[0].grad_fn, outputs)
+
+
+def attach_recv(
+    msg_id: int, src: int, tensors: list[torch.Tensor]
+) -> tuple[RecvRecord, list[torch.Tensor]]:
+    """Give ``tensors`` (received, requiring grad) one shared recv function; return the record
+    and the tensors the receiver should see instead."""
+    outputs = RecvRpc.apply(*tensors)
+    node = outputs[0].grad_fn
+    record = RecvRecord(
+        msg_id,
+        src,
+        node,
+        [GradientEdge(node, i) for i in range(len(outputs))],
+        [(t.shape, t.dtype, t.layout) for t in tensors],
+    )
+    return record, list(outputs)

@@ -1,0 +1,86 @@
+"""Forward recording: which messages get send/recv functions (the reference's
+``getMessageWithAutograd`` / ``addSendRpcBackward`` / ``addRecvRpcBackward``, SPEC 2.3).
+
+Installed into the RPC layer as its call extension. A message is *wrapped* -- its ``ext`` is
+``(context_id, autograd_message_id, from_worker)`` -- when the sending thread has a current
+context and either a tensor in it requires grad (under grad mode) or the call kind forces it
+(Python functions, ``remote``, ``to_here``). A wrapped message adds its destination to the
+context's known workers; if tensors require grad it also gets a send function here and a recv
+function there. The callee runs the call with the caller's context as its current context.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ._context import CONTAINER, DistAutogradContext
+from ._functions import attach_recv, attach_send
+
+__all__ = ["AutogradRecording"]
+
+
+def _requires_grad(tensors: list[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _wrap(ctx: DistAutogradContext, dst: int, tensors: list[torch.Tensor], grad: bool) -> Any:
+    msg_id = CONTAINER.new_autograd_message_id()
+    if grad:
+        needing = [t for t in tensors if t.requires_grad]
+        ctx.add_send_function(msg_id, attach_send(msg_id, dst, needing))
+    ctx.add_known_worker(dst)
+    return (ctx.context_id, msg_id, CONTAINER.worker_id)
+
+
+def _attach(ext: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    context_id, msg_id, from_worker = ext
+    ctx = CONTAINER.get_or_create_context(context_id)
+    if tensors and _requires_grad(tensors):
+        positions = [i for i, t in enumerate(tensors) if t.requires_grad]
+        record, attached = attach_recv(msg_id, from_worker, [tensors[i] for i in positions])
+        ctx.add_recv_function(msg_id, record)
+        tensors = list(tensors)
+        for position, tensor in zip(positions, attached, strict=True):
+            tensors[position] = tensor
+    return tensors, int(context_id)
+
+
+class AutogradRecording:
+    """The RPC call extension of distributed autograd."""
+
+    def outgoing_request(self, dst: int, tensors: list[torch.Tensor], force: bool) -> Any:
+        context_id = CONTAINER.current_context_id()
+        if context_id == -1:
+            return None
+        grad = _requires_grad(tensors)
+        if not grad and not force:
+            return None
+        return _wrap(CONTAINER.retrieve_context(context_id), dst, tensors, grad)
+
+    def incoming_request(
+        self, src: int, ext: Any, tensors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], Any]:
+        if ext is None:
+            return tensors, None
+        return _attach(ext, tensors)
+
+    def scope(self, state: Any) -> AbstractContextManager[None]:
+        return CONTAINER.forced_current(int(state))
+
+    def outgoing_response(self, state: Any, dst: int, tensors: list[torch.Tensor]) -> Any:
+        if not _requires_grad(tensors):
+            return None
+        ctx = CONTAINER.get_context(int(state))
+        if ctx is None:  # released while the call ran
+            return None
+        return _wrap(ctx, dst, tensors, True)
+
+    def incoming_response(
+        self, src: int, ext: Any, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if ext is None:
+            return tensors
+        return _attach(ext, tensors)[0]
