@@ -35,6 +35,10 @@ from .._rpc._remote_error import RemoteTraceback
 from .._rpc._worker_info import WorkerInfo
 from . import api, constants, functions
 
+# As torch.distributed.rpc does with torch.distributed.autograd: an RPC worker always records
+# distributed autograd (importing it installs the recording into the RPC layer).
+from .. import autograd as _autograd  # noqa: E402
+
 __all__ = [
     "BackendType",
     "BackendValue",
