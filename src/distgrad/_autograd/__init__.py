@@ -1,0 +1,1 @@
+"""Layer 4: distributed autograd -- contexts, send/recv functions, the backward engine."""

@@ -1,0 +1,393 @@
+"""Distributed autograd contexts and the per-process container that owns them (SPEC 2.1, 2.2).
+
+A *context* is one forward/backward of distributed autograd as seen by this worker: the send
+and recv functions its RPCs attached, the workers it talked to, and the gradients accumulated
+into it (never into ``.grad``). The *container* maps context ids to contexts, hands out ids,
+and remembers each thread's *current* context.
+
+Ids (context ids and autograd message ids alike) are ``(worker_id << 48) | counter``, with one
+counter per kind that only ever grows: an id never repeats within a process, not even across a
+repeated :meth:`ContextContainer.init` with the same worker id (only
+:meth:`ContextContainer.reset_for_tests` starts over).
+
+This module is pure bookkeeping: it knows nothing of RPC. The engine sets :data:`on_release`
+so that leaving a :class:`context` also tells the context's known workers to release it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+
+__all__ = ["CONTAINER", "ContextContainer", "DistAutogradContext", "context", "on_release"]
+
+MAX_WORKER_ID = 0xFFFF
+_ID_BITS = 48
+_COUNTER_MAX = (1 << _ID_BITS) - 1
+
+_NOT_INITIALIZED = "Need to initialize distributed autograd using torch.distributed.autograd.init()"
+_NO_CURRENT = (
+    "Current thread doesn't have a valid autograd context. Please wrap your code using: "
+    "`with torch.distributed.autograd.context() as context_id` to generate a valid context"
+)
+
+
+def _not_found(context_id: int) -> RuntimeError:
+    return RuntimeError(f"Could not find autograd context with id: {context_id}")
+
+
+def _node(record: Any) -> Any:
+    """The autograd node of an engine record (records carry it as ``.node``)."""
+    return getattr(record, "node", record)
+
+
+class DistAutogradContext:
+    """One distributed autograd context on this worker.
+
+    ``lock`` guards every mutable attribute. ``send_functions`` and ``recv_functions`` hold
+    strong references: they keep the forward graph alive until the context is released.
+    ``pass_state`` and ``last_pass_id`` belong to the backward engine; this class only stores
+    them.
+    """
+
+    def __init__(self, context_id: int) -> None:
+        self.context_id: int = context_id
+        self.lock = threading.RLock()
+        self.known_worker_ids: set[int] = set()
+        self.send_functions: dict[int, Any] = {}
+        self.recv_functions: dict[int, Any] = {}
+        self.pass_state: Any = None
+        self.last_pass_id: Any = None
+        # id(variable) -> (variable, grad). Tensors compare elementwise, so a dict keyed by the
+        # tensors themselves is only safe for lookups by the very same object; keying by id and
+        # keeping the variable alive here makes identity explicit (and the id stable).
+        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- torch-compatible introspection (SPEC 1.2) ----------------------------------------------
+    def _context_id(self) -> int:
+        """This context's id."""
+        return self.context_id
+
+    def _send_functions(self) -> dict[int, Any]:
+        """The send functions (autograd nodes), ordered by ascending autograd message id."""
+        with self.lock:
+            return {k: _node(v) for k, v in sorted(self.send_functions.items())}
+
+    def _recv_functions(self) -> dict[int, Any]:
+        """The recv functions (autograd nodes), ordered by ascending autograd message id."""
+        with self.lock:
+            return {k: _node(v) for k, v in sorted(self.recv_functions.items())}
+
+    def _known_worker_ids(self) -> set[int]:
+        """The workers that were sent an autograd message of this context (a copy)."""
+        with self.lock:
+            return set(self.known_worker_ids)
+
+    # -- recording -------------------------------------------------------------------------------
+    def add_send_function(self, msg_id: int, node: Any) -> None:
+        """Remember the send function of autograd message ``msg_id``."""
+        with self.lock:
+            self.send_functions[msg_id] = node
+
+    def add_recv_function(self, msg_id: int, rec: Any) -> None:
+        """Remember the recv function (record) of autograd message ``msg_id``."""
+        with self.lock:
+            self.recv_functions[msg_id] = rec
+
+    def add_known_worker(self, worker_id: int) -> None:
+        """Note that an autograd message of this context went to ``worker_id``."""
+        with self.lock:
+            self.known_worker_ids.add(worker_id)
+
+    # -- gradients -------------------------------------------------------------------------------
+    def accumulate_grad(self, variable: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` to the gradient accumulated for ``variable`` (by identity).
+
+        The first dense gradient is stored as is, or copied (contiguous) when it is a view or
+        not contiguous; a sparse one is copied. Later gradients are added out of place: a
+        stored gradient is never modified, so one handed out by :meth:`gradients` stays valid.
+        Sparse and dense gradients mix freely; the sum is sparse only when both are.
+        """
+        with torch.no_grad():
+            if grad.requires_grad:
+                grad = grad.detach()
+            with self.lock:
+                entry = self._grads.get(id(variable))
+                if entry is None:
+                    if grad.layout != torch.strided:
+                        total = grad.clone()  # sparse: owns its indices and values
+                    elif grad._is_view() or not grad.is_contiguous():
+                        total = grad.clone(memory_format=torch.contiguous_format)
+                    else:
+                        total = grad
+                else:
+                    old = entry[1]
+                    # torch implements add(dense, sparse) but not add(sparse, dense).
+                    total = grad + old if old.is_sparse and not grad.is_sparse else old + grad
+                self._grads[id(variable)] = (variable, total)
+
+    def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """A snapshot of the accumulated gradients, keyed by the variable tensors themselves.
+
+        Tensors hash by identity and dict lookups try ``is`` before ``==``, so looking up the
+        original tensor object works, and equal-valued tensors stay distinct keys.
+        """
+        with self.lock:
+            return dict(self._grads.values())
+
+    @property
+    def accumulated_grads(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Same as :meth:`gradients` (a snapshot; accumulate with :meth:`accumulate_grad`)."""
+        return self.gradients()
+
+    def __repr__(self) -> str:
+        with self.lock:
+            return (
+                f"<DistAutogradContext id={self.context_id} "
+                f"workers={sorted(self.known_worker_ids)} sends={len(self.send_functions)} "
+                f"recvs={len(self.recv_functions)} grads={len(self._grads)} "
+                f"backward={'running' if self.pass_state is not None else 'idle'}>"
+            )
+
+
+class _ThreadState(threading.local):
+    # A class attribute is every thread's default: reading it needs no getattr fallback.
+    context_id: int = -1
+
+
+class ContextContainer:
+    """Per-process container of contexts (SPEC 2.2), with id allocation (SPEC 2.1).
+
+    Not usable until :meth:`init` gave it this worker's id; only the thread-local accessors
+    and the plain lookups (:meth:`get_context`, :meth:`has_context`,
+    :meth:`release_context_if_present`, :meth:`num_contexts`) work before that.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._local = _ThreadState()
+        self._worker_id = -1
+        self._prefix = 0
+        self._context_counter = itertools.count()
+        self._message_counter = itertools.count()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def init(self, worker_id: int) -> None:
+        """Set this worker's id; repeating it with the same id is a no-op."""
+        if not 0 <= worker_id <= MAX_WORKER_ID:
+            raise RuntimeError(f"worker_id needs to be in the range [0, {MAX_WORKER_ID}]")
+        with self._lock:
+            if self._worker_id == -1:
+                self._worker_id = worker_id
+                self._prefix = worker_id << _ID_BITS
+            elif self._worker_id != worker_id:
+                raise RuntimeError(
+                    f"Container is already initialized with worker_id: {self._worker_id}, "
+                    f"cannot initialize with different worker_id: {worker_id}"
+                )
+
+    def _require_init(self) -> None:
+        if self._worker_id == -1:
+            raise RuntimeError(_NOT_INITIALIZED)
+
+    @property
+    def worker_id(self) -> int:
+        """This worker's id (raises before :meth:`init`)."""
+        self._require_init()
+        return self._worker_id
+
+    @property
+    def initialized(self) -> bool:
+        """Whether :meth:`init` was called."""
+        return self._worker_id != -1
+
+    def reset_for_tests(self) -> None:
+        """Forget everything -- contexts, worker id, counters, every thread's current context."""
+        with self._lock:
+            self._contexts.clear()
+            self._local = _ThreadState()
+            self._worker_id = -1
+            self._prefix = 0
+            self._context_counter = itertools.count()
+            self._message_counter = itertools.count()
+
+    # -- ids -------------------------------------------------------------------------------------
+    def _next_id(self, counter: Iterator[int]) -> int:
+        value = next(counter)
+        if value > _COUNTER_MAX:
+            raise RuntimeError(f"Ran out of autograd ids on worker {self._worker_id}")
+        return self._prefix | value
+
+    def new_autograd_message_id(self) -> int:
+        """A fresh autograd message id (one per wrapped request or response)."""
+        self._require_init()
+        # next() on itertools.count is atomic: no lock on this per-RPC path.
+        return self._next_id(self._message_counter)
+
+    def max_id(self) -> int:
+        """The largest id this worker can produce (``_get_max_id()``)."""
+        self._require_init()
+        return self._prefix | _COUNTER_MAX
+
+    # -- contexts --------------------------------------------------------------------------------
+    def new_context(self) -> DistAutogradContext:
+        """Create a context and make it this thread's current context."""
+        self._require_init()
+        local = self._local
+        if local.context_id != -1:
+            raise RuntimeError("Already have an autograd context id for this thread.")
+        with self._lock:
+            ctx = DistAutogradContext(self._next_id(self._context_counter))
+            self._contexts[ctx.context_id] = ctx
+        local.context_id = ctx.context_id
+        return ctx
+
+    def get_or_create_context(self, context_id: int) -> DistAutogradContext:
+        """The context ``context_id``, created if absent (receiver side; current unchanged)."""
+        self._require_init()
+        with self._lock:
+            ctx = self._contexts.get(context_id)
+            if ctx is None:
+                ctx = self._contexts[context_id] = DistAutogradContext(context_id)
+            return ctx
+
+    def retrieve_context(self, context_id: int) -> DistAutogradContext:
+        """The context ``context_id``; raises if there is none."""
+        self._require_init()
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise _not_found(context_id)
+        return ctx
+
+    def get_context(self, context_id: int) -> DistAutogradContext | None:
+        """The context ``context_id``, or None."""
+        return self._contexts.get(context_id)
+
+    def has_context(self, context_id: int) -> bool:
+        """Whether the context ``context_id`` exists here."""
+        return context_id in self._contexts
+
+    def release_context(self, context_id: int) -> DistAutogradContext:
+        """Remove the context and return it; raises if there is none.
+
+        Resets this thread's current context if it was this one. Telling the known workers
+        is the caller's job (see :data:`on_release`).
+        """
+        self._require_init()
+        ctx = self.release_context_if_present(context_id)
+        if ctx is None:
+            raise _not_found(context_id)
+        return ctx
+
+    def release_context_if_present(self, context_id: int) -> DistAutogradContext | None:
+        """Remove the context and return it, or return None if there is none."""
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+        if ctx is not None and self._local.context_id == context_id:
+            self._local.context_id = -1
+        return ctx
+
+    def num_contexts(self) -> int:
+        """How many contexts live on this worker."""
+        return len(self._contexts)
+
+    def debug_info(self) -> dict[str, int]:
+        """``_get_debug_info()``: exactly the two keys the reference reports."""
+        self._require_init()
+        with self._lock:
+            contexts = list(self._contexts.values())
+        return {
+            "num_current_backward_passes": sum(c.pass_state is not None for c in contexts),
+            "num_autograd_contexts": len(contexts),
+        }
+
+    # -- the thread's current context ------------------------------------------------------------
+    def current_context(self) -> DistAutogradContext:
+        """This thread's current context; raises if there is none."""
+        self._require_init()
+        context_id = self._local.context_id
+        ctx = self._contexts.get(context_id) if context_id != -1 else None
+        if ctx is None:
+            raise RuntimeError(_NO_CURRENT)
+        return ctx
+
+    def current_context_id(self) -> int:
+        """This thread's current context id, -1 if none (on every RPC's path: kept cheap)."""
+        return self._local.context_id
+
+    def has_current_context(self) -> bool:
+        """Whether this thread has a current context."""
+        return self._local.context_id != -1
+
+    def set_current_context_id(self, context_id: int) -> None:
+        """Make ``context_id`` this thread's current context (it need not exist here)."""
+        self._local.context_id = context_id
+
+    def clear_current_context(self) -> None:
+        """Leave this thread without a current context."""
+        self._local.context_id = -1
+
+    @contextlib.contextmanager
+    def forced_current(self, context_id: int) -> Iterator[None]:
+        """Run the block with ``context_id`` as this thread's current context, then restore.
+
+        This is what a callee does while it runs a wrapped request: the user function sees the
+        caller's context, and nested RPCs it makes are recorded in it.
+        """
+        local = self._local
+        previous = local.context_id
+        local.context_id = context_id
+        try:
+            yield
+        finally:
+            local.context_id = previous
+
+
+CONTAINER = ContextContainer()
+"""The process-wide container."""
+
+on_release: Callable[[DistAutogradContext], None] | None = None
+"""Called with each context a :class:`context` block released, after its removal (set by the
+engine to send the cleanup to the context's known workers)."""
+
+
+class context:
+    """Context object to wrap forward and backward passes when using distributed autograd.
+
+    The ``context_id`` generated in the ``with`` statement identifies the distributed backward
+    pass on all workers. Each worker keeps the metadata of the context, and it is released on
+    all of them when the block exits (also on an exception, which propagates).
+
+    Example::
+
+        >>> import distgrad.autograd as dist_autograd
+        >>> with dist_autograd.context() as context_id:
+        ...     t1 = torch.rand((3, 3), requires_grad=True)
+        ...     t2 = torch.rand((3, 3), requires_grad=True)
+        ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+    """
+
+    autograd_context: DistAutogradContext
+
+    def __enter__(self) -> int:
+        self.autograd_context = CONTAINER.new_context()
+        return self.autograd_context._context_id()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        released = CONTAINER.release_context(self.autograd_context._context_id())
+        hook = on_release
+        if hook is not None:
+            hook(released)
