@@ -16,9 +16,11 @@ How a pass runs (see docs/design.md, "Distributed backward pass", for the reason
   final at once, with no gradients -- that is how a pass whose RPC results are partly unused
   by the loss finishes (the reference waits forever for gradients that never come).
   Resolution follows the forward's causality backwards, so it always terminates.
-* **Start.** A worker joins a pass on the first message of it: ``START`` (flooded along each
-  context's known workers when a worker joins), or a gradient message. Joining computes the
-  reachability of recv functions from sources (one walk of the local graph).
+* **Start.** A worker joins a pass on the first message of it: a gradient message, or
+  ``START``, which a worker sends to the peer of each of its send functions that it has not
+  messaged otherwise by the time its joining message (or the roots) was processed -- a peer
+  that holds only sinks of this worker's messages would not learn of the pass otherwise.
+  Joining computes the reachability of recv functions from sources (one walk of the graph).
 * **Completion by deferred replies.** The first message a worker receives in a pass is
   answered only when that worker's part is complete (all sources resolved, all recv functions
   final, all its own messages answered); later messages are answered at once. The first
@@ -67,7 +69,16 @@ def _done_future() -> torch.futures.Future[None]:
 
 
 class _Source:
-    __slots__ = ("expected", "final_seen", "key", "leaves", "processed", "recvs", "resolved", "shared")
+    __slots__ = (
+        "expected",
+        "final_seen",
+        "key",
+        "leaves",
+        "processed",
+        "recvs",
+        "resolved",
+        "shared",
+    )
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -108,6 +119,7 @@ class Pass:
         self.sources: dict[int, _Source] = {}
         self.recvs: dict[int, _RecvState] = {}
         self.outstanding: set[torch.futures.Future[Any]] = set()
+        self.messaged: set[int] = set()
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
         self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
@@ -138,10 +150,22 @@ class Pass:
                 self.recvs[msg_id].sources.add(key)
         with _PASSES_LOCK:
             _ALL_PASSES.add(self)
-        for worker in sorted(ctx.known_worker_ids):
-            if worker != self.worker_id:
-                self._message(worker, _start_message, (ctx.context_id, self.pass_id, self.retain_graph, self.worker_id))
         self._flush_recvs()
+
+    def flood(self) -> None:
+        """Make sure the peer of every send function takes part: a peer this worker has not
+        messaged in this pass yet gets ``START``. (Called after the joining message -- or the
+        roots -- were processed, so a peer about to get gradients anyway gets nothing extra.)"""
+        if self.finished:
+            return
+        for record in self.ctx.send_functions.values():
+            worker = record.dst
+            if worker != self.worker_id and worker not in self.messaged:
+                self._message(
+                    worker,
+                    _start_message,
+                    (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id),
+                )
 
     def _walk(self, nodes: list[Any], source: _Source, by_node: dict[int, int]) -> set[int]:
         seen: set[int] = set()
@@ -164,7 +188,9 @@ class Pass:
         return seen
 
     # -- running torch's engine ------------------------------------------------------------------
-    def run(self, items: list[tuple[int, tuple[torch.Tensor, ...], list[torch.Tensor], bool]]) -> None:
+    def run(
+        self, items: list[tuple[int, tuple[torch.Tensor, ...], list[torch.Tensor], bool]]
+    ) -> None:
         """One engine run from several sources: ``(key, outputs, grads, last)`` each."""
         outputs: list[torch.Tensor] = []
         grad_outputs: list[torch.Tensor] = []
@@ -218,7 +244,16 @@ class Pass:
         self._message(
             record.src,
             _grad_message,
-            (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, record.msg_id, grads, final, state.sent),
+            (
+                self.ctx.context_id,
+                self.pass_id,
+                self.retain_graph,
+                self.worker_id,
+                record.msg_id,
+                grads,
+                final,
+                state.sent,
+            ),
         )
 
     def _recv_ready(self, state: _RecvState) -> bool:
@@ -234,8 +269,11 @@ class Pass:
     def _message(self, worker: int, func: Any, args: tuple[Any, ...]) -> None:
         agent = current_agent()
         if agent is None:
-            raise BackwardError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
+            raise BackwardError(
+                "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+            )
         future = agent.call_async(agent.get_worker_info(worker), func, args, {}, 0, internal=True)
+        self.messaged.add(worker)
         self.outstanding.add(future)
         future.add_done_callback(self._on_reply)
 
@@ -345,6 +383,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
             ones = [torch.ones_like(root) for root in roots]
             current.run([(ROOT, tuple(roots), ones, True)])
             current.resolve(ROOT)
+            current.flood()
         except Exception as exc:
             current.fail(exc)
     current.done.wait()
@@ -379,6 +418,11 @@ def _start_message(
         if getattr(ctx, "last_pass_id", None) == pass_id:
             return _done_future()
         current, first = _join(ctx, pass_id, retain)
+        if first:
+            try:
+                current.flood()
+            except Exception as exc:
+                current.fail(exc)
         return _reply_for(current, first)
 
 
@@ -400,6 +444,8 @@ def _grad_message(
             return _reply_for(current, first)
         try:
             current.on_grad_message(msg_id, grads, final, total)
+            if first:
+                current.flood()
         except Exception as exc:
             current.fail(exc)
         return _reply_for(current, first)
@@ -427,7 +473,12 @@ def _after_release(ctx: DistAutogradContext) -> None:
             continue
         try:
             future = agent.call_async(
-                agent.get_worker_info(worker), _cleanup_message, (ctx.context_id,), {}, 0, internal=True
+                agent.get_worker_info(worker),
+                _cleanup_message,
+                (ctx.context_id,),
+                {},
+                0,
+                internal=True,
             )
         except Exception as exc:  # best effort: the peer may be gone
             _log.debug("context %s: cleanup to worker %s not sent: %s", ctx.context_id, worker, exc)

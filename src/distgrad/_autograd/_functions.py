@@ -93,7 +93,13 @@ class RecvRecord:
             if grad is not None:
                 out.append(grad)
             elif layout == torch.sparse_coo:
-                out.append(torch.sparse_coo_tensor(torch.empty((len(shape), 0), dtype=torch.long), torch.empty((0,), dtype=dtype), shape))
+                out.append(
+                    torch.sparse_coo_tensor(
+                        torch.empty((len(shape), 0), dtype=torch.long),
+                        torch.empty((0,), dtype=dtype),
+                        shape,
+                    )
+                )
             else:
                 out.append(torch.zeros(shape, dtype=dtype))
         return out
