@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     IMPLEMENTATIONS,
     environment_info,
     median,
@@ -91,7 +91,7 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
         x = torch.randn(batch, HIDDEN)
         target = torch.randint(0, 10, (batch,))
 
-        def step() -> None:
+        def step(x: Any = x, target: Any = target) -> None:
             with dist_autograd.context() as cid:
                 h = first(x)
                 h = rpc.rpc_sync(dst, remote_layer, args=(h,))
@@ -102,7 +102,7 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
         out[f"mlp{batch}"] = _timed(step, cfg["iters"], cfg["warmup"])
         local = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())
 
-        def local_step() -> None:
+        def local_step(x: Any = x, target: Any = target, local: Any = local) -> None:
             loss = torch.nn.functional.cross_entropy(head(local(first(x))), target)
             torch.autograd.grad(loss, [*first.parameters(), *head.parameters()])
 
@@ -110,10 +110,10 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
     base = torch.randn(64, HIDDEN, requires_grad=True)
     for k in cfg["fanout"]:
 
-        def fan() -> None:
+        def fan(k: int = k) -> None:
             with dist_autograd.context() as cid:
                 h = torch.tanh(base)
-                results = [rpc.rpc_sync(dst, scale, args=(h,)) for _ in range(k)]  # noqa: B023
+                results = [rpc.rpc_sync(dst, scale, args=(h,)) for _ in range(k)]
                 dist_autograd.backward(cid, [torch.stack(results).sum()])
                 dist_autograd.get_gradients(cid)
 
@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "fan-out scaling (distgrad, step time / k=1): "
-        + ", ".join(f"k={k}: {summary[f'fan{k}']['distgrad_ms'] / fan1:.1f}x" for k in cfg["fanout"])
+        + ", ".join(
+            f"k={k}: {summary[f'fan{k}']['distgrad_ms'] / fan1:.1f}x" for k in cfg["fanout"]
+        )
     )
     if args.json:
         write_json(args.json, {"env": env, "config": cfg, "summary": summary, "samples": samples})

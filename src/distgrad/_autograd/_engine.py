@@ -211,7 +211,7 @@ class Pass:
             inputs.extend(self.recvs[msg_id].record.edges)
         if not inputs:
             return
-        grads = torch.autograd.grad(
+        captured_all: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
             outputs,
             inputs,
             grad_outputs,
@@ -219,14 +219,14 @@ class Pass:
             allow_unused=True,
             materialize_grads=False,
         )
-        for leaf, grad in zip(leaf_list, grads, strict=False):
+        for leaf, grad in zip(leaf_list, captured_all, strict=False):
             if grad is not None:
                 self.ctx.accumulate_grad(leaf, grad)
         position = len(leaf_list)
         for msg_id in recv_list:
             state = self.recvs[msg_id]
             width = len(state.record.edges)
-            captured = list(grads[position : position + width])
+            captured = list(captured_all[position : position + width])
             position += width
             self._send_grads(state, state.record.fill(captured))
 
@@ -328,7 +328,8 @@ class Pass:
             return
         self._finish()
         detail = str(error) if str(error) else repr(error)
-        self.done.set_exception(BackwardError(f"Error on Node {self.worker_id}: {detail}"))
+        failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
+        self.done.set_exception(failure)  # type: ignore[arg-type]  # torch's stub is too narrow
 
     def _finish(self) -> None:
         self.finished = True
@@ -352,7 +353,7 @@ def _validate_roots(roots: list[torch.Tensor]) -> None:
     if not roots:
         raise RuntimeError("No tensors provided for gradient computation.")
     for root in roots:
-        name = root.name or ""
+        name = getattr(root, "name", None) or ""
         if not root.requires_grad:
             raise RuntimeError("requires_grad not set on root")
         if root.numel() != 1:

@@ -107,7 +107,7 @@ class RecvRecord:
 
 def attach_send(msg_id: int, dst: int, tensors: list[torch.Tensor]) -> SendRecord:
     """Record a send function over ``tensors`` (all require grad)."""
-    outputs = SendRpc.apply(*tensors)
+    outputs = SendRpc.apply(*tensors)  # type: ignore[no-untyped-call]
     return SendRecord(msg_id, dst, outputs[0].grad_fn, outputs)
 
 
@@ -116,7 +116,7 @@ def attach_recv(
 ) -> tuple[RecvRecord, list[torch.Tensor]]:
     """Give ``tensors`` (received, requiring grad) one shared recv function; return the record
     and the tensors the receiver should see instead."""
-    outputs = RecvRpc.apply(*tensors)
+    outputs = RecvRpc.apply(*tensors)  # type: ignore[no-untyped-call]
     node = outputs[0].grad_fn
     record = RecvRecord(
         msg_id,

@@ -252,9 +252,7 @@ class RpcAgent(FrameHandler):
                 self._active += 1
         self._calls[cid] = call
         try:
-            conn.send(
-                encode_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
-            )
+            conn.send(encode_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags))
         except BaseException:
             if self._calls.pop(cid, None) is not None:
                 self._done(call)

@@ -35,7 +35,9 @@ class CallExtension(Protocol):
     def outgoing_response(self, state: Any, dst: int, tensors: list[torch.Tensor]) -> Any:
         """Callee, before sending the response of a request that had a state: its ``ext``."""
 
-    def incoming_response(self, src: int, ext: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def incoming_response(
+        self, src: int, ext: Any, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """Caller, on a response with a tensor table: the tensors to build the result with."""
 
 

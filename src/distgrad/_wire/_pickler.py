@@ -28,8 +28,8 @@ import io
 import mmap
 import pickle
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy
@@ -275,12 +275,12 @@ def encode(
     """
     cache = _cached
     reuse = not cache.busy
+    buffers: list[pickle.PickleBuffer]
     if reuse:
         cache.busy = True
         file, buffers, pickler = cache.file, cache.buffers, cache.payload
     else:
-        file = io.BytesIO()
-        buffers: list[pickle.PickleBuffer] = []
+        file, buffers = io.BytesIO(), []
         pickler = _PayloadPickler(file, protocol=5, buffer_callback=buffers.append)
     tensors: list[torch.Tensor] = []
     previous = getattr(_policy, "table", None)
@@ -357,8 +357,6 @@ def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer], int]:
     return encoded.meta, encoded.buffers, encoded.flags
 
 
-def loads(
-    meta: bytes | bytearray | memoryview, buffers: Iterable[Any] = (), flags: int = 0
-) -> Any:
+def loads(meta: bytes | bytearray | memoryview, buffers: Iterable[Any] = (), flags: int = 0) -> Any:
     """Unpickle a stream produced by :func:`dumps` with its received buffers."""
     return decode(meta, buffers, flags)[1]

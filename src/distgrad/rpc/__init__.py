@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# As torch.distributed.rpc does with torch.distributed.autograd: an RPC worker always records
+# distributed autograd (importing it installs the recording into the RPC layer).
+from .. import autograd as _autograd  # noqa: F401
 from .._errors import (
     DistgradError,
     HandshakeError,
@@ -34,10 +37,6 @@ from .._rpc._options import (
 from .._rpc._remote_error import RemoteTraceback
 from .._rpc._worker_info import WorkerInfo
 from . import api, constants, functions
-
-# As torch.distributed.rpc does with torch.distributed.autograd: an RPC worker always records
-# distributed autograd (importing it installs the recording into the RPC layer).
-from .. import autograd as _autograd  # noqa: E402
 
 __all__ = [
     "BackendType",
