@@ -63,7 +63,7 @@ def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(as_bytes.numpy())  # type: ignore[arg-type]
 
 
-_HUGE_THRESHOLD = 2 * 1024 * 1024
+_HUGE_THRESHOLD = 32 * 1024 * 1024  # glibc serves smaller blocks from reused heap memory
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
