@@ -1,0 +1,624 @@
+"""RPC benchmark: torch.distributed.rpc (TensorPipe) vs distgrad.rpc, side by side.
+
+Run from the repository root::
+
+    PYTHONPATH=src python benchmarks/rpc_bench.py            # full run (~2 min on 2 cores)
+    PYTHONPATH=src python benchmarks/rpc_bench.py --quick    # smoke run (~30 s)
+
+Each implementation runs in its own freshly spawned 2-process group (caller ``worker0``,
+callee ``worker1``, rendezvous on ``tcp://127.0.0.1:<free port>``). The groups are
+interleaved in rounds (torch, distgrad, torch, distgrad, ...) so that drift on a noisy
+machine affects both alike, and every figure is a median over the samples of all rounds.
+See benchmarks/README.md for what each metric means and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import shutil
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+from _common import (
+    IMPLEMENTATIONS,
+    GroupResult,
+    echo,
+    ensure_distgrad_importable,
+    environment_info,
+    format_size,
+    load_average,
+    median,
+    noop,
+    parse_size,
+    percentile,
+    print_table,
+    run_group,
+    snapshot_package,
+    write_json,
+)
+
+METRICS = ("latency", "async", "echo")
+DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB"
+# Targets from the issue, as bounds on the ratio distgrad / torch.
+LATENCY_TARGET = 0.5  # distgrad/torch small-call latency must be <= this
+ECHO_TARGET = 1.0  # distgrad/torch GB/s for 16-64 MiB echo must be >= this
+ECHO_TARGET_RANGE = (16 * 1024**2, 64 * 1024**2)
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements (run inside the caller process, rank 0)
+# --------------------------------------------------------------------------------------------
+
+
+def bench_latency(rpc: ModuleType, dst: str, iters: int, warmup: int) -> list[float]:
+    """Round-trip times (µs) of ``rpc_sync(dst, noop)``, one per call."""
+    for _ in range(warmup):
+        rpc.rpc_sync(dst, noop)
+    gc.collect()
+    clock = time.perf_counter_ns
+    samples: list[float] = []
+    append = samples.append
+    for _ in range(iters):
+        t0 = clock()
+        rpc.rpc_sync(dst, noop)
+        append((clock() - t0) / 1e3)
+    return samples
+
+
+def bench_async(rpc: ModuleType, dst: str, calls: int, reps: int) -> list[float]:
+    """Calls/s of ``calls`` ``rpc_async(dst, noop)`` issued back to back, then waited for."""
+    import torch
+
+    warm = [rpc.rpc_async(dst, noop) for _ in range(min(calls, 500))]
+    torch.futures.wait_all(warm)
+    rates: list[float] = []
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        futures = [rpc.rpc_async(dst, noop) for _ in range(calls)]
+        torch.futures.wait_all(futures)
+        rates.append(calls / (time.perf_counter() - t0))
+        del futures
+    return rates
+
+
+def _make_tensor(nbytes: int) -> Any:
+    import torch
+
+    if nbytes % 4 == 0:
+        return torch.randn(nbytes // 4, dtype=torch.float32)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+
+
+def _bit_exact(sent: Any, got: Any) -> tuple[bool, str]:
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        return False, f"got {type(got).__name__}, not a tensor"
+    if got.dtype != sent.dtype or got.shape != sent.shape:
+        return False, f"got {got.dtype}{tuple(got.shape)}, sent {sent.dtype}{tuple(sent.shape)}"
+    if not torch.equal(got.contiguous().view(torch.uint8), sent.view(torch.uint8)):
+        return False, "bytes differ"
+    return True, "ok"
+
+
+def echo_iters(nbytes: int, cfg: dict[str, Any]) -> int:
+    """Timed calls per size: ``echo_bytes`` worth of tensors, clamped to [min, max]."""
+    return max(cfg["echo_min_iters"], min(cfg["echo_max_iters"], cfg["echo_bytes"] // nbytes))
+
+
+def bench_echo(
+    rpc: ModuleType, dst: str, nbytes: int, iters: int, cap_s: float, warmup: int
+) -> dict[str, Any]:
+    """Round-trip times (s) of ``rpc_sync(dst, echo, (t,))``; the first reply is checked.
+
+    A fixed number of calls (so every group weighs the same in the pooled median); ``cap_s``
+    only guards against a pathologically slow implementation and is reported when hit.
+    """
+    t = _make_tensor(nbytes)
+    exact, detail = _bit_exact(t, rpc.rpc_sync(dst, echo, (t,)))
+    for _ in range(max(0, warmup - 1)):
+        rpc.rpc_sync(dst, echo, (t,))
+    gc.collect()
+    clock = time.perf_counter
+    times: list[float] = []
+    end = clock() + cap_s
+    while len(times) < iters:
+        t0 = clock()
+        out = rpc.rpc_sync(dst, echo, (t,))
+        t1 = clock()
+        times.append(t1 - t0)
+        del out
+        if t1 > end and len(times) >= 3:
+            break
+    return {"times_s": times, "exact": exact, "detail": detail, "capped": len(times) < iters}
+
+
+def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Everything rank 0 measures in one group; the result goes back to the parent."""
+    out: dict[str, Any] = {}
+    if "latency" in cfg["only"]:
+        out["latency_us"] = bench_latency(rpc, dst, cfg["lat_iters"], cfg["lat_warmup"])
+    if "async" in cfg["only"]:
+        out["async_rate"] = bench_async(rpc, dst, cfg["async_calls"], cfg["async_reps"])
+    if "echo" in cfg["only"]:
+        out["echo"] = {
+            size: bench_echo(
+                rpc, dst, size, echo_iters(size, cfg), cfg["echo_cap_s"], cfg["echo_warmup"]
+            )
+            for size in cfg["sizes"]
+        }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="torch.distributed.rpc (TensorPipe) vs distgrad.rpc, side by side.",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds (default: 3, --quick: 2)"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer iterations: a ~1 minute smoke run")
+    p.add_argument("--json", metavar="PATH", help="also write all results to this JSON file")
+    p.add_argument(
+        "--only", nargs="+", choices=METRICS, default=list(METRICS), help="metrics to run (all)"
+    )
+    p.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated echo sizes, K/M/G = KiB/MiB/GiB ({DEFAULT_SIZES})",
+    )
+    p.add_argument(
+        "--latency-iters", type=int, help="timed rpc_sync calls per group (10000, --quick: 1000)"
+    )
+    p.add_argument(
+        "--async-calls",
+        type=int,
+        help="rpc_async calls in flight per repetition (5000, --quick: 2000)",
+    )
+    p.add_argument(
+        "--group-timeout",
+        type=float,
+        help="seconds before a group is killed (derived from the work)",
+    )
+    p.add_argument(
+        "--no-snapshot",
+        action="store_true",
+        help="import distgrad from the source tree in every group instead of from a copy "
+        "taken at start (the copy keeps one run on one version while src/ is being edited)",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.size_list = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
+    except ValueError as exc:
+        p.error(str(exc))
+    if "echo" in args.only and not args.size_list:
+        p.error("--sizes is empty")
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
+
+
+def make_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        cfg = {
+            "lat_iters": 1000,
+            "lat_warmup": 100,
+            "async_calls": 2000,
+            "async_reps": 2,
+            "echo_bytes": 256 * 1024**2,
+            "echo_max_iters": 200,
+            "echo_min_iters": 5,
+            "echo_cap_s": 3.0,
+            "echo_warmup": 2,
+        }
+    else:
+        cfg = {
+            "lat_iters": 10000,
+            "lat_warmup": 1000,
+            "async_calls": 5000,
+            "async_reps": 5,
+            "echo_bytes": 2 * 1024**3,
+            "echo_max_iters": 1000,
+            "echo_min_iters": 20,
+            "echo_cap_s": 10.0,
+            "echo_warmup": 3,
+        }
+    if args.latency_iters:
+        cfg["lat_iters"] = args.latency_iters
+    if args.async_calls:
+        cfg["async_calls"] = args.async_calls
+    cfg["only"] = list(args.only)
+    cfg["sizes"] = list(args.size_list)
+    return cfg
+
+
+def group_timeout(cfg: dict[str, Any]) -> float:
+    """Generous bound for one group: start-up plus a worst case for each measurement."""
+    t = 90.0
+    if "latency" in cfg["only"]:
+        t += 0.005 * (cfg["lat_iters"] + cfg["lat_warmup"])
+    if "async" in cfg["only"]:
+        t += 0.002 * cfg["async_calls"] * (cfg["async_reps"] + 1)
+    if "echo" in cfg["only"]:
+        t += len(cfg["sizes"]) * (cfg["echo_cap_s"] + 20.0)
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation and report
+# --------------------------------------------------------------------------------------------
+
+
+def _new_samples() -> dict[str, Any]:
+    return {"latency_us": [], "async_rate": [], "echo": {}, "exact": {}}
+
+
+def absorb(samples: dict[str, Any], value: dict[str, Any]) -> None:
+    samples["latency_us"] += value.get("latency_us", [])
+    samples["async_rate"] += value.get("async_rate", [])
+    for size, e in value.get("echo", {}).items():
+        samples["echo"].setdefault(size, []).extend(e["times_s"])
+        prev = samples["exact"].get(size)
+        if prev is None or (prev[0] and not e["exact"]):  # keep the first failure's detail
+            samples["exact"][size] = (e["exact"], e["detail"])
+
+
+def round_summary(value: dict[str, Any]) -> dict[str, Any]:
+    """Per-group medians (for the per-round table and the JSON)."""
+    s: dict[str, Any] = {}
+    if value.get("latency_us"):
+        s["latency_median_us"] = median(value["latency_us"])
+        s["latency_p90_us"] = percentile(value["latency_us"], 90)
+        s["latency_n"] = len(value["latency_us"])
+    if value.get("async_rate"):
+        s["async_calls_per_s"] = median(value["async_rate"])
+        s["async_reps"] = value["async_rate"]
+    for size, e in value.get("echo", {}).items():
+        t = median(e["times_s"])
+        s[f"echo_{size}"] = {
+            "median_s": t,
+            "gbps": 2 * size / t / 1e9,
+            "n": len(e["times_s"]),
+            "exact": e["exact"],
+            "capped": e.get("capped", False),
+        }
+    return s
+
+
+def _fmt(value: float | None) -> str:
+    """About 4 significant digits, thousands separated; ``n/a`` for missing / NaN."""
+    if value is None or math.isnan(value):
+        return "n/a"
+    mag = abs(value)
+    if mag >= 1000:
+        return f"{value:,.0f}"
+    if mag >= 100:
+        return f"{value:.1f}"
+    if mag >= 10:
+        return f"{value:.2f}"
+    if mag >= 1:
+        return f"{value:.3f}"
+    return f"{value:.3g}"
+
+
+def _ratio(d: float, t: float) -> float:
+    if math.isnan(t) or math.isnan(d) or t == 0:
+        return float("nan")
+    return d / t
+
+
+def build_rows(samples: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict per metric: name, unit, torch, distgrad, ratio, better, target, status."""
+    rows: list[dict[str, Any]] = []
+    ts, ds = samples["torch"], samples["distgrad"]
+
+    def add(
+        name: str,
+        unit: str,
+        t: float,
+        d: float,
+        better: str,
+        target: tuple[str, float] | None = None,
+    ) -> None:
+        r = _ratio(d, t)
+        status, target_text = "", ""
+        if target is not None:
+            op, bound = target
+            target_text = f"{op} {bound:.2f}x"
+            if math.isnan(r):
+                status = "n/a"
+            elif (op == "<=" and r <= bound) or (op == ">=" and r >= bound):
+                status = "PASS"
+            else:
+                status = "MISS"
+        rows.append(
+            {
+                "metric": name,
+                "unit": unit,
+                "torch": t,
+                "distgrad": d,
+                "ratio": r,
+                "better": better,
+                "target": target_text,
+                "status": status,
+            }
+        )
+
+    if "latency" in cfg["only"]:
+        lat_t, lat_d = ts["latency_us"], ds["latency_us"]
+        add(
+            "rpc_sync no-op latency, median",
+            "µs",
+            median(lat_t),
+            median(lat_d),
+            "lower",
+            ("<=", LATENCY_TARGET),
+        )
+        add(
+            "rpc_sync no-op latency, p90",
+            "µs",
+            percentile(lat_t, 90),
+            percentile(lat_d, 90),
+            "lower",
+        )
+    if "async" in cfg["only"]:
+        add(
+            f"rpc_async throughput, {cfg['async_calls']} in flight",
+            "calls/s",
+            median(ts["async_rate"]),
+            median(ds["async_rate"]),
+            "higher",
+        )
+    if "echo" in cfg["only"]:
+        for size in cfg["sizes"]:
+            tt = median(ts["echo"].get(size, []))
+            dt = median(ds["echo"].get(size, []))
+            small = min((x for x in (tt, dt) if not math.isnan(x)), default=0.0) < 1e-3
+            scale, unit = (1e6, "µs") if small else (1e3, "ms")
+            label = f"echo {format_size(size)}"
+            add(f"{label}, round trip", unit, tt * scale, dt * scale, "lower")
+            in_range = ECHO_TARGET_RANGE[0] <= size <= ECHO_TARGET_RANGE[1]
+            add(
+                f"{label}, throughput",
+                "GB/s",
+                2 * size / tt / 1e9,
+                2 * size / dt / 1e9,
+                "higher",
+                (">=", ECHO_TARGET) if in_range else None,
+            )
+    return rows
+
+
+def _fmt_ratio(r: float) -> str:
+    return "n/a" if math.isnan(r) else f"{r:.2f}x"
+
+
+def _exact_text(samples: dict[str, Any], sizes: list[int]) -> str:
+    exact = samples["exact"]
+    bad = [f"{format_size(s)} ({exact[s][1]})" for s in sizes if s in exact and not exact[s][0]]
+    missing = [format_size(s) for s in sizes if s not in exact]
+    text = "NOT bit-exact: " + ", ".join(bad) if bad else "bit-exact"
+    if missing:
+        text += f" (not checked: {', '.join(missing)})"
+    return text
+
+
+def print_report(
+    rows: list[dict[str, Any]],
+    samples: dict[str, dict[str, Any]],
+    per_round: list[dict[str, Any]],
+    cfg: dict[str, Any],
+) -> None:
+    print()
+    print("Results: medians over all samples of all rounds; ratio = distgrad / torch")
+    print_table(
+        ["metric", "unit", "torch", "distgrad", "ratio", "better", "target", "result"],
+        [
+            [
+                r["metric"],
+                r["unit"],
+                _fmt(r["torch"]),
+                _fmt(r["distgrad"]),
+                _fmt_ratio(r["ratio"]),
+                r["better"],
+                r["target"],
+                r["status"],
+            ]
+            for r in rows
+        ],
+        align="llrrrlll",
+    )
+    if "echo" in cfg["only"]:
+        checks = [f"{impl} {_exact_text(samples[impl], cfg['sizes'])}" for impl in IMPLEMENTATIONS]
+        print("Echo check (first reply per size and group): " + "; ".join(checks))
+    counts = []
+    for impl in IMPLEMENTATIONS:
+        s = samples[impl]
+        echo_n = "/".join(str(len(s["echo"].get(z, []))) for z in cfg["sizes"])
+        counts.append(
+            f"{impl} {len(s['latency_us'])} sync calls, {len(s['async_rate'])} async reps, "
+            f"echo calls {echo_n}"
+        )
+    print("Samples: " + "; ".join(counts))
+
+    targets = [r for r in rows if r["status"]]
+    if targets:
+        print()
+        print("Targets (from the issue)")
+        for r in targets:
+            print(
+                f"  {r['status']:<4}  {r['metric']}: distgrad/torch = {_fmt_ratio(r['ratio'])}"
+                f" (target {r['target']})"
+            )
+
+    # Per-round medians show the run-to-run spread on a noisy machine.
+    keys: list[tuple[str, str]] = []
+    if "latency" in cfg["only"]:
+        keys.append(("latency_median_us", "sync latency median (µs)"))
+    if "async" in cfg["only"]:
+        keys.append(("async_calls_per_s", "async (calls/s)"))
+    if "echo" in cfg["only"]:
+        keys += [(f"echo_{s}", f"echo {format_size(s)} (GB/s)") for s in cfg["sizes"]]
+    rounds = max((g["round"] for g in per_round), default=0)
+    columns = [(impl, r) for impl in IMPLEMENTATIONS for r in range(1, rounds + 1)]
+    groups = {(g["impl"], g["round"]): g for g in per_round}
+    table = []
+    for key, label in keys:
+        row = [label]
+        for column in columns:
+            g = groups.get(column)
+            if g is None or not g["ok"]:
+                row.append("fail" if g else "-")
+                continue
+            v = g["summary"].get(key)
+            row.append(_fmt(v["gbps"] if isinstance(v, dict) else v))
+        table.append(row)
+    print()
+    print_table(["per-round medians"] + [f"{impl} r{r}" for impl, r in columns], table)
+
+
+def run_rounds(
+    args: argparse.Namespace, cfg: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    samples = {impl: _new_samples() for impl in IMPLEMENTATIONS}
+    per_round: list[dict[str, Any]] = []
+    timeout = args.group_timeout or group_timeout(cfg)
+    for rnd in range(1, args.rounds + 1):
+        # ABBA order (torch, distgrad, distgrad, torch, ...): interleaved, and linear drift
+        # over the run cancels out as well as it can.
+        order = IMPLEMENTATIONS if rnd % 2 else IMPLEMENTATIONS[::-1]
+        for impl in order:
+            res = run_group(impl, caller, cfg, timeout=timeout)
+            if not res.ok and res.phase in ("init", "start"):
+                print(f"  round {rnd} {impl}: failed during {res.phase}; retrying once", flush=True)
+                res = run_group(impl, caller, cfg, timeout=timeout)
+            per_round.append(report_group(rnd, args.rounds, res, samples[impl]))
+    return samples, per_round
+
+
+def report_group(
+    rnd: int, rounds: int, res: GroupResult, samples: dict[str, Any]
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "round": rnd,
+        "impl": res.impl,
+        "ok": res.ok,
+        "wall_s": res.wall_s,
+        "error": res.error,
+        "notes": res.notes,
+    }
+    head = f"  round {rnd}/{rounds} {res.impl:<8}"
+    if res.ok:
+        absorb(samples, res.value)
+        summary = round_summary(res.value)
+        entry["summary"] = summary
+        entry["raw"] = res.value  # every sample, for offline analysis (--json)
+        for size, e in res.value.get("echo", {}).items():
+            if e.get("capped"):
+                res.notes.append(
+                    f"echo {format_size(size)}: only {len(e['times_s'])} calls (time cap hit)"
+                )
+        bits = []
+        if "latency_median_us" in summary:
+            bits.append(f"latency {summary['latency_median_us']:.1f} µs")
+        if "async_calls_per_s" in summary:
+            bits.append(f"async {summary['async_calls_per_s']:,.0f} calls/s")
+        echo_keys = [k for k in summary if k.startswith("echo_")]
+        if echo_keys:
+            last = echo_keys[-1]
+            bits.append(f"echo {format_size(int(last[5:]))} {summary[last]['gbps']:.2f} GB/s")
+        print(f"{head} ok in {res.wall_s:5.1f}s: " + ", ".join(bits), flush=True)
+    else:
+        print(f"{head} FAILED after {res.wall_s:.1f}s: {res.error}", flush=True)
+        if res.log_tail.strip():
+            print(res.log_tail.rstrip(), flush=True)
+        entry["log_tail"] = res.log_tail
+    for note in res.notes:
+        print(f"{head} note: {note}", flush=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ensure_distgrad_importable()
+    snapshot = None if args.no_snapshot else snapshot_package("distgrad")
+    try:
+        return _main(args)
+    finally:
+        if snapshot is not None:
+            shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = make_config(args)
+    env = environment_info()
+    print("distgrad RPC benchmark: torch.distributed.rpc (TensorPipe) vs distgrad.rpc")
+    print(
+        f"  python {env['python']} | torch {env['torch']} | distgrad {env['distgrad']} | "
+        f"distgrad uses uvloop: {env['distgrad_uvloop']} | CPUs: {env['cpu_count']} "
+        f"(usable {env['cpu_affinity']})"
+    )
+    print(
+        f"  distgrad from {env['distgrad_path']} (git {env['git']}) | {env['platform']}"
+        f" | {env['date']} | load average {env['loadavg']}"
+    )
+    if env["distgrad_env"]:
+        print(f"  distgrad environment: {env['distgrad_env']}")
+    if not env["torch_rpc_available"]:
+        print("torch.distributed.rpc is not available in this torch build", file=sys.stderr)
+        return 2
+    plan = [f"rounds {args.rounds}{' (quick)' if args.quick else ''}"]
+    if "latency" in cfg["only"]:
+        plan.append(f"sync latency {cfg['lat_iters']} calls (+{cfg['lat_warmup']} warm-up)")
+    if "async" in cfg["only"]:
+        plan.append(f"async {cfg['async_calls']} calls x {cfg['async_reps']}")
+    if "echo" in cfg["only"]:
+        calls = "/".join(str(echo_iters(s, cfg)) for s in cfg["sizes"])
+        plan.append(f"echo {','.join(format_size(s) for s in cfg['sizes'])} ({calls} calls)")
+    print("  " + " | ".join(plan) + " | per group, per implementation")
+    print(flush=True)
+    started = time.monotonic()
+    samples, per_round = run_rounds(args, cfg)
+    rows = build_rows(samples, cfg)
+    print_report(rows, samples, per_round, cfg)
+    total = time.monotonic() - started
+    print(f"\nTotal time {total:.0f}s; load average at the end {load_average()}")
+    failures = [g for g in per_round if not g["ok"]]
+    failures += [
+        s for impl in IMPLEMENTATIONS for s, (ok, _) in samples[impl]["exact"].items() if not ok
+    ]
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "environment": env,
+                "command": " ".join(sys.argv),
+                "config": cfg,
+                "rounds": args.rounds,
+                "results": rows,
+                "echo_bit_exact": {
+                    impl: {str(s): ok for s, (ok, _) in samples[impl]["exact"].items()}
+                    for impl in IMPLEMENTATIONS
+                },
+                "groups": per_round,
+                "total_s": total,
+            },
+        )
+        print(f"Wrote {args.json}")
+    return 1 if failures else 0  # a group failed or an echo was not bit-exact
+
+
+if __name__ == "__main__":
+    sys.exit(main())
