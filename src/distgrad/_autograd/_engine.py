@@ -119,7 +119,8 @@ class Pass:
         self.sources: dict[int, _Source] = {}
         self.recvs: dict[int, _RecvState] = {}
         self.outstanding: set[torch.futures.Future[Any]] = set()
-        self.messaged: set[int] = set()
+        # workers known to take part: those messaged, and those a message came from
+        self.in_touch: set[int] = set()
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
         self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
@@ -153,14 +154,15 @@ class Pass:
         self._flush_recvs()
 
     def flood(self) -> None:
-        """Make sure the peer of every send function takes part: a peer this worker has not
-        messaged in this pass yet gets ``START``. (Called after the joining message -- or the
-        roots -- were processed, so a peer about to get gradients anyway gets nothing extra.)"""
+        """Make sure the peer of every send function takes part: a peer this worker has
+        neither messaged nor heard from in this pass gets ``START``. (Called after the joining
+        message -- or the roots -- was processed, so a peer that gets gradients anyway, or
+        that is known to take part, gets nothing extra.)"""
         if self.finished:
             return
         for record in self.ctx.send_functions.values():
             worker = record.dst
-            if worker != self.worker_id and worker not in self.messaged:
+            if worker != self.worker_id and worker not in self.in_touch:
                 self._message(
                     worker,
                     _start_message,
@@ -197,6 +199,7 @@ class Pass:
         leaves: dict[int, torch.Tensor] = {}
         recv_ids: set[int] = set()
         retain = self.retain_graph
+        finishing: list[_Source] = []
         for key, outs, grads, last in items:
             source = self.sources[key]
             outputs.extend(outs)
@@ -204,6 +207,8 @@ class Pass:
             leaves.update(source.leaves)
             recv_ids.update(source.recvs)
             retain = retain or source.shared or not last
+            if last:
+                finishing.append(source)
         leaf_list = list(leaves.values())
         recv_list = sorted(recv_ids)
         inputs: list[Any] = list(leaf_list)
@@ -219,6 +224,10 @@ class Pass:
             allow_unused=True,
             materialize_grads=False,
         )
+        # Sources whose last message this was are resolved *before* the recv gradients go out,
+        # so a recv function they finish sends its gradients and "final" in one message.
+        for source in finishing:
+            source.resolved = True
         for leaf, grad in zip(leaf_list, captured_all, strict=False):
             if grad is not None:
                 self.ctx.accumulate_grad(leaf, grad)
@@ -273,7 +282,7 @@ class Pass:
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
         future = agent.call_async(agent.get_worker_info(worker), func, args, {}, 0, internal=True)
-        self.messaged.add(worker)
+        self.in_touch.add(worker)
         self.outstanding.add(future)
         future.add_done_callback(self._on_reply)
 
@@ -289,10 +298,8 @@ class Pass:
 
     # -- resolution and completion ---------------------------------------------------------------
     def resolve(self, key: int) -> None:
-        source = self.sources[key]
-        if not source.resolved:
-            source.resolved = True
-            self._flush_recvs()
+        self.sources[key].resolved = True
+        self._flush_recvs()
 
     def on_grad_message(
         self, msg_id: int, grads: list[torch.Tensor] | None, final: bool, total: int
@@ -419,6 +426,7 @@ def _start_message(
         if getattr(ctx, "last_pass_id", None) == pass_id:
             return _done_future()
         current, first = _join(ctx, pass_id, retain)
+        current.in_touch.add(src)
         if first:
             try:
                 current.flood()
@@ -441,6 +449,7 @@ def _grad_message(
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
         current, first = _join(ctx, pass_id, retain)
+        current.in_touch.add(src)
         if current.finished:
             return _reply_for(current, first)
         try:
