@@ -121,6 +121,7 @@ class Pass:
         self.outstanding: set[torch.futures.Future[Any]] = set()
         # workers known to take part: those messaged, and those a message came from
         self.in_touch: set[int] = set()
+        self.heard_from: set[int] = set()
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
         self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
@@ -283,8 +284,21 @@ class Pass:
             )
         future = agent.call_async(agent.get_worker_info(worker), func, args, {}, 0, internal=True)
         self.in_touch.add(worker)
+        if worker in self.heard_from:
+            # It already takes part, so this is not its first message: the answer comes at once
+            # and says nothing about the work it causes, which that worker's own part covers.
+            # Waiting for it would only add a round trip before this part can complete.
+            future.add_done_callback(self._on_late_reply)
+            return
         self.outstanding.add(future)
         future.add_done_callback(self._on_reply)
+
+    def _on_late_reply(self, future: torch.futures.Future[Any]) -> None:
+        try:
+            future.wait()
+        except Exception as exc:
+            with self.ctx.lock:
+                self.fail(exc)
 
     def _on_reply(self, future: torch.futures.Future[Any]) -> None:
         with self.ctx.lock:
@@ -427,6 +441,7 @@ def _start_message(
             return _done_future()
         current, first = _join(ctx, pass_id, retain)
         current.in_touch.add(src)
+        current.heard_from.add(src)
         if first:
             try:
                 current.flood()
@@ -450,6 +465,7 @@ def _grad_message(
     with ctx.lock:
         current, first = _join(ctx, pass_id, retain)
         current.in_touch.add(src)
+        current.heard_from.add(src)
         if current.finished:
             return _reply_for(current, first)
         try:
