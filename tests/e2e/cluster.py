@@ -127,8 +127,8 @@ def run_cluster(
                 p.join(5)
         q.close()
     if failures:
-        rank = min(failures)
-        raise ClusterError(f"worker {rank} failed:\n{failures[rank]}")
+        report = "\n".join(f"worker {rank} failed:\n{failures[rank]}" for rank in sorted(failures))
+        raise ClusterError(report)
     missing = set(range(world_size)) - set(results) - set(may_die)
     if missing:
         codes = {r: procs[r].exitcode for r in sorted(missing)}

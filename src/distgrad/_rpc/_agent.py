@@ -280,14 +280,16 @@ class RpcAgent(FrameHandler):
         cid, call = self._send(dst, (func, args, kwargs), timeout, None, internal, force)
         lock = call.lock
         assert lock is not None
-        if call.timeout > 0:
-            if not lock.acquire(timeout=call.timeout):
-                if self._calls.pop(cid, None) is not None:
-                    self._done(call)
-                    raise RpcTimeoutError(rpc_timeout_message(call.timeout))
-                lock.acquire()  # completed while we timed out: take the result
-        else:
-            lock.acquire()
+        if not lock.acquire(blocking=False):
+            with self._workers.blocking():  # a worker thread waiting here frees its slot
+                if call.timeout > 0:
+                    if not lock.acquire(timeout=call.timeout):
+                        if self._calls.pop(cid, None) is not None:
+                            self._done(call)
+                            raise RpcTimeoutError(rpc_timeout_message(call.timeout))
+                        lock.acquire()  # completed while we timed out: take the result
+                else:
+                    lock.acquire()
         return self._result(call)
 
     def call_async(
@@ -462,7 +464,7 @@ class RpcAgent(FrameHandler):
         state: Any,
     ) -> None:
         future = func(*args, **(kwargs or {}))
-        if not isinstance(future, torch.futures.Future):
+        if not isinstance(future, (torch.futures.Future, torch._C.Future)):
             kind = type(future)
             raise RuntimeError(
                 "Functions decorated with @rpc.async_function must return a "
