@@ -47,16 +47,14 @@ class ThreadPool:
 
     def _grow(self) -> None:
         with self._lock:
-            if self._idle == 0 and len(self._threads) < self._max + self._blocked:
-                if not self._stopped:
-                    thread = threading.Thread(
-                        target=self._work,
-                        name=f"{self._name}-{len(self._threads)}",
-                        daemon=True,
-                    )
-                    self._threads.append(thread)
-                    self._idle += 1
-                    thread.start()
+            room = len(self._threads) < self._max + self._blocked
+            if self._idle == 0 and room and not self._stopped:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                self._idle += 1
+                thread.start()
 
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
