@@ -105,9 +105,12 @@ def run_cluster(
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
+        expected = set(range(world_size)) - set(may_die)
         while len(results) + len(failures) < world_size:
             if all(not p.is_alive() for p in procs) and q.empty():
                 break
+            if expected <= set(results) | set(failures) and q.empty():
+                break  # the rest may have died (or been stopped) on purpose
             try:
                 rank, ok, value = q.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
             except queue.Empty:

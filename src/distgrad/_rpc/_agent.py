@@ -402,14 +402,15 @@ class RpcAgent(FrameHandler):
         call.frame = frame
         self._finish(call)
 
-    def on_connection_lost(self, conn: Connection, error: Exception) -> None:
+    def on_connection_lost(self, conn: Connection, error: Exception, peer_dead: bool) -> None:
         for cid in [cid for cid, call in self._calls.items() if call.conn is conn]:
             call = self._calls.pop(cid, None)
             if call is not None:
                 call.error = PeerFailureError(str(error), conn.peer_label)
                 self._finish(call)
-        for listener in list(self.peer_failure_listeners):
-            self._callbacks.submit(listener, conn.peer, error)
+        if peer_dead:
+            for listener in list(self.peer_failure_listeners):
+                self._callbacks.submit(listener, conn.peer, error)
 
     # -- serving (worker threads) ----------------------------------------------------------------
     def _serve(self, conn: AnyConnection, frame: Frame) -> None:

@@ -31,9 +31,15 @@ class ThreadPool:
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
+        # Every queued task has a designated taker, decided at submit time under the lock: an
+        # idle thread (idle -= 1), a thread started for it, or -- when neither is possible --
+        # the backlog, served by the next thread that finishes a task instead of going idle.
+        # (Counting idle threads as they wake up instead would race with a burst of submits
+        # and leave a task queued behind a long one while the pool still had room.)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._idle = 0
+        self._backlog = 0
         self._blocked = 0
         self._stopped = False
         self._mine = threading.local()
@@ -41,20 +47,23 @@ class ThreadPool:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._stopped:
             raise RuntimeError(f"thread pool {self._name} is stopped")
-        self._queue.put((fn, args))
-        if self._idle == 0 and len(self._threads) < self._max + self._blocked:
-            self._grow()
-
-    def _grow(self) -> None:
         with self._lock:
-            room = len(self._threads) < self._max + self._blocked
-            if self._idle == 0 and room and not self._stopped:
-                thread = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(thread)
-                self._idle += 1
-                thread.start()
+            if self._idle > 0:
+                self._idle -= 1
+            elif not self._spawn():
+                self._backlog += 1
+        self._queue.put((fn, args))
+
+    def _spawn(self) -> bool:
+        """Start a thread if there is room (lock held); it takes one queued task."""
+        if self._stopped or len(self._threads) >= self._max + self._blocked:
+            return False
+        thread = threading.Thread(
+            target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+        return True
 
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
@@ -64,8 +73,8 @@ class ThreadPool:
             return
         with self._lock:
             self._blocked += 1
-        if not self._queue.empty():
-            self._grow()
+            while self._backlog and self._spawn():
+                self._backlog -= 1
         try:
             yield
         finally:
@@ -77,8 +86,6 @@ class ThreadPool:
         get = self._queue.get
         while True:
             item = get()
-            with self._lock:
-                self._idle -= 1
             if item is None:
                 return
             fn, args = item
@@ -89,7 +96,10 @@ class ThreadPool:
             finally:
                 del item, fn, args
             with self._lock:
-                self._idle += 1
+                if self._backlog:
+                    self._backlog -= 1
+                else:
+                    self._idle += 1
 
     def stop(self, timeout: float = 2.0) -> None:
         """Let queued work finish, then end the threads (waits at most ``timeout``)."""

@@ -9,7 +9,9 @@ connection is TCP.
 
 A connection that breaks without the peer's goodbye marks the peer dead: the owner is told
 (so it fails what was waiting on that connection) and every later send to that peer fails at
-once. Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed.
+once. Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed. A
+connection closed for a protocol error (a malformed or oversized frame) is dropped alone: the
+calls waiting on it fail, but the peer is not condemned.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._errors import HandshakeError, PeerFailureError, RpcShutdownError
+from .._errors import HandshakeError, PeerFailureError, ProtocolError, RpcShutdownError
 from .._wire._frames import HEADER, Frame, Kind, encode_frame
 from .._wire._pickler import allocate_buffer
 from ._connection import Connection, Piece
@@ -96,7 +98,7 @@ class FrameHandler:
     def on_frame(self, conn: Connection | LoopbackConnection, frame: Frame) -> None:
         raise NotImplementedError
 
-    def on_connection_lost(self, conn: Connection, error: Exception) -> None:
+    def on_connection_lost(self, conn: Connection, error: Exception, peer_dead: bool) -> None:
         raise NotImplementedError
 
 
@@ -313,12 +315,18 @@ class Transport:
         self._conns.discard(conn)
         if self._out.get(conn.peer) is conn:
             del self._out[conn.peer]
-        if error is not None and not isinstance(error, PeerFailureError):
+        # A protocol error condemns the connection, not the peer: whoever sent the bad frame
+        # (a buggy or impersonating client that knows the secret) is cut off, the real peer's
+        # other connections keep working, and the next send reconnects.
+        broken_protocol = isinstance(error, ProtocolError)
+        if broken_protocol:
             self._protocol_errors += 1
-        if not self._closing:
-            failure = conn.broken_error()
+        if self._closing:
+            return
+        failure = conn.broken_error()
+        if not broken_protocol:
             self._dead.setdefault(conn.peer, failure)
-            self._handler.on_connection_lost(conn, failure)
+        self._handler.on_connection_lost(conn, failure, peer_dead=not broken_protocol)
 
     # -- heartbeats ------------------------------------------------------------------------------
     def _beat(self) -> None:
