@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from typing import Any
 
@@ -124,6 +125,8 @@ class Pass:
         self.heard_from: set[int] = set()
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
+        #: on the worker that called backward: gradient messages for its thread to run
+        self.driver: queue.SimpleQueue[tuple[Any, ...] | None] | None = None
         self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
 
     # -- joining -------------------------------------------------------------------------------
@@ -354,6 +357,8 @@ class Pass:
 
     def _finish(self) -> None:
         self.finished = True
+        if self.driver is not None:
+            self.driver.put(None)  # wake the driving thread
         if self.ctx.pass_state is self:
             self.ctx.pass_state = None
         self.ctx.last_pass_id = self.pass_id
@@ -399,6 +404,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         if stale is not None:
             stale.fail(BackwardError("superseded by a new backward pass"))
         current = Pass(ctx, (CONTAINER.worker_id, next(_pass_ids)), retain_graph, roots)
+        current.driver = queue.SimpleQueue()
         ctx.pass_state = current
         try:
             current.start()
@@ -408,6 +414,22 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
             current.flood()
         except Exception as exc:
             current.fail(exc)
+    # The calling thread drives the rest of its own part: gradient messages for it are queued
+    # here rather than run on a pool thread, so the message that completes the pass does not
+    # need a second thread to wake this one.
+    driver = current.driver
+    assert driver is not None
+    while not current.finished:
+        item = driver.get()
+        if item is None:
+            continue
+        with ctx.lock:
+            if current.finished:
+                break
+            try:
+                current.on_grad_message(*item)
+            except Exception as exc:
+                current.fail(exc)
     current.done.wait()
 
 
@@ -437,7 +459,7 @@ def _start_message(
 ) -> torch.futures.Future[None]:
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
-        if getattr(ctx, "last_pass_id", None) == pass_id:
+        if ctx.last_pass_id == pass_id:
             return _done_future()
         current, first = _join(ctx, pass_id, retain)
         current.in_touch.add(src)
@@ -463,11 +485,16 @@ def _grad_message(
 ) -> torch.futures.Future[None]:
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
+        if ctx.last_pass_id == pass_id:  # a straggler of a pass already over here
+            return _done_future()
         current, first = _join(ctx, pass_id, retain)
         current.in_touch.add(src)
         current.heard_from.add(src)
         if current.finished:
             return _reply_for(current, first)
+        if current.driver is not None:  # never the first message: answered at once
+            current.driver.put((msg_id, grads, final, total))
+            return _done_future()
         try:
             current.on_grad_message(msg_id, grads, final, total)
             if first:
