@@ -126,7 +126,7 @@ class Pass:
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
         #: on the worker that called backward: gradient messages for its thread to run
-        self.driver: queue.SimpleQueue[tuple[Any, ...] | None] | None = None
+        self.driver: queue.SimpleQueue[Any] | None = None
         self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
 
     # -- joining -------------------------------------------------------------------------------
@@ -321,21 +321,37 @@ class Pass:
     def on_grad_message(
         self, msg_id: int, grads: list[torch.Tensor] | None, final: bool, total: int
     ) -> None:
-        source = self.sources.get(msg_id)
-        record: SendRecord | None = self.ctx.send_functions.get(msg_id)
-        if source is None or record is None:
-            raise BackwardError(f"Could not find send function for autograd message id: {msg_id}")
-        if final:
-            source.final_seen = True
-            source.expected = total
-        if grads is not None:
-            source.processed += 1
-            last = source.final_seen and source.processed == source.expected
-            self.run([(msg_id, record.outputs, grads, last)])
-        if source.final_seen and source.processed == source.expected:
-            self.resolve(msg_id)
-        else:
-            self._check_done()
+        self.on_grad_messages([(msg_id, grads, final, total)])
+
+    def on_grad_messages(
+        self, messages: list[tuple[int, list[torch.Tensor] | None, bool, int]]
+    ) -> None:
+        """Process gradient messages: the ones with gradients in one engine run (a subgraph
+        shared by their send functions then runs once for all of them)."""
+        items: list[tuple[int, tuple[torch.Tensor, ...], list[torch.Tensor], bool]] = []
+        touched: list[int] = []
+        for msg_id, grads, final, total in messages:
+            source = self.sources.get(msg_id)
+            record: SendRecord | None = self.ctx.send_functions.get(msg_id)
+            if source is None or record is None:
+                raise BackwardError(
+                    f"Could not find send function for autograd message id: {msg_id}"
+                )
+            if final:
+                source.final_seen = True
+                source.expected = total
+            if grads is not None:
+                source.processed += 1
+                last = source.final_seen and source.processed == source.expected
+                items.append((msg_id, record.outputs, grads, last))
+            touched.append(msg_id)
+        if items:
+            self.run(items)
+        for msg_id in touched:
+            source = self.sources[msg_id]
+            if source.final_seen and source.processed == source.expected:
+                source.resolved = True
+        self._flush_recvs()
 
     def _check_done(self) -> None:
         if self.finished or self.outstanding:
@@ -421,13 +437,18 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     assert driver is not None
     while not current.finished:
         item = driver.get()
-        if item is None:
+        batch = [] if item is None else [item]
+        while not driver.empty():  # messages already waiting run together
+            item = driver.get()
+            if item is not None:
+                batch.append(item)
+        if not batch:
             continue
         with ctx.lock:
             if current.finished:
                 break
             try:
-                current.on_grad_message(*item)
+                current.on_grad_messages(batch)
             except Exception as exc:
                 current.fail(exc)
     current.done.wait()
