@@ -280,16 +280,22 @@ class RpcAgent(FrameHandler):
         cid, call = self._send(dst, (func, args, kwargs), timeout, None, internal, force)
         lock = call.lock
         assert lock is not None
-        if not lock.acquire(blocking=False):
-            with self._workers.blocking():  # a worker thread waiting here frees its slot
-                if call.timeout > 0:
-                    if not lock.acquire(timeout=call.timeout):
-                        if self._calls.pop(cid, None) is not None:
-                            self._done(call)
-                            raise RpcTimeoutError(rpc_timeout_message(call.timeout))
-                        lock.acquire()  # completed while we timed out: take the result
-                else:
-                    lock.acquire()
+        pool = self._workers
+        member = pool.is_member()
+        if member:  # a worker thread waiting here frees its slot meanwhile
+            pool.enter_blocking()
+        try:
+            if call.timeout > 0:
+                if not lock.acquire(timeout=call.timeout):
+                    if self._calls.pop(cid, None) is not None:
+                        self._done(call)
+                        raise RpcTimeoutError(rpc_timeout_message(call.timeout))
+                    lock.acquire()  # completed while we timed out: take the result
+            else:
+                lock.acquire()
+        finally:
+            if member:
+                pool.exit_blocking()
         return self._result(call)
 
     def call_async(

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ThreadPool"]
 
 _log = logging.getLogger("distgrad.rpc")
+
+
+class _Membership(threading.local):
+    member = False  # class default: every thread that is not the pool's reads False
 
 
 class ThreadPool:
@@ -20,7 +23,7 @@ class ThreadPool:
     A new thread is started only when no thread is idle, so a burst of quick tasks is served
     by one warm thread, while blocking tasks get fresh threads until the maximum -- the
     reference's ``num_worker_threads``. A pool thread that blocks waiting for an RPC says so
-    (:meth:`blocking`), and does not count against the maximum meanwhile: nested RPCs can
+    (:meth:`enter_blocking`), and does not count against the maximum meanwhile: nested RPCs can
     not exhaust the pool and deadlock, however many are in flight (the reference deadlocks
     once ``num_worker_threads`` calls wait on nested calls).
     """
@@ -42,7 +45,7 @@ class ThreadPool:
         self._backlog = 0
         self._blocked = 0
         self._stopped = False
-        self._mine = threading.local()
+        self._mine = _Membership()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._stopped:
@@ -65,21 +68,20 @@ class ThreadPool:
         thread.start()
         return True
 
-    @contextlib.contextmanager
-    def blocking(self) -> Iterator[None]:
-        """Mark the calling thread, if it is one of this pool's, as blocked for the block."""
-        if not getattr(self._mine, "member", False):
-            yield
-            return
+    def is_member(self) -> bool:
+        """True on one of this pool's threads."""
+        return self._mine.member
+
+    def enter_blocking(self) -> None:
+        """The calling pool thread blocks (waiting for an RPC): its slot is free meanwhile."""
         with self._lock:
             self._blocked += 1
             while self._backlog and self._spawn():
                 self._backlog -= 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._blocked -= 1
+
+    def exit_blocking(self) -> None:
+        with self._lock:
+            self._blocked -= 1
 
     def _work(self) -> None:
         self._mine.member = True
