@@ -429,3 +429,57 @@ def test_introspection_matches_reference() -> None:
     """Context ids, send/recv functions (names, edges, message-id order), known workers, the
     nested-context error and the builtin-without-grad rule."""
     assert run_cluster(introspection_program, 2, timeout=60)[0] == "ok"
+
+
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(1.0)
+        return grad
+
+
+def slow_backward(x: torch.Tensor) -> torch.Tensor:
+    return SlowBackward.apply(x)
+
+
+def released_program(rank: int, world_size: int) -> str:
+    if rank != 0:
+        rpc.api._barrier()
+        return "served"
+    import threading
+
+    x = torch.randn(4, requires_grad=True)
+    cid = dist_autograd._new_context()._context_id()
+    y = rpc.rpc_sync("worker1", slow_backward, (x,))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            dist_autograd.backward(cid, [y.sum()])
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.3)  # worker1 is inside its slow backward now
+    dist_autograd._release_context(cid)
+    thread.join(10)
+    assert not thread.is_alive(), "backward must end when its context is released"
+    assert errors and "Could not find autograd context with id" in str(errors[0])
+    # both workers are fine and serve new passes
+    with dist_autograd.context() as again:
+        z = rpc.rpc_sync("worker1", my_add, (x, x))
+        dist_autograd.backward(again, [z.sum()])
+        torch.testing.assert_close(dist_autograd.get_gradients(again)[x], torch.full((4,), 2.0))
+    rpc.api._barrier()
+    return "ok"
+
+
+def test_context_released_during_backward() -> None:
+    """Releasing a context while its backward runs fails the pass with the reference's error,
+    crashes nothing, and the workers keep serving new passes."""
+    assert run_cluster(released_program, 2, timeout=60) == {0: "ok", 1: "served"}
