@@ -51,6 +51,9 @@ def _attach(ext: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], 
 class AutogradRecording:
     """The RPC call extension of distributed autograd."""
 
+    def active(self) -> bool:
+        return CONTAINER.current_context_id() != -1
+
     def outgoing_request(self, dst: int, tensors: list[torch.Tensor], force: bool) -> Any:
         context_id = CONTAINER.current_context_id()
         if context_id == -1:

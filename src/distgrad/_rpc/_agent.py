@@ -239,7 +239,7 @@ class RpcAgent(FrameHandler):
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
         extension = _extension.get_extension()
-        if extension is None or internal:
+        if extension is None or internal or not extension.active():
             encoded = encode(payload)
         else:
             encoded = encode(

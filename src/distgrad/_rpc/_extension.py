@@ -20,6 +20,10 @@ __all__ = ["CallExtension", "get_extension", "set_extension"]
 
 
 class CallExtension(Protocol):
+    def active(self) -> bool:
+        """Caller thread: whether outgoing requests need the extension at all now (when not,
+        the message is pickled in one pass, its tensors inline)."""
+
     def outgoing_request(self, dst: int, tensors: list[torch.Tensor], force: bool) -> Any:
         """Caller thread, before sending a request: its ``ext`` (``None`` for none)."""
 

@@ -147,7 +147,40 @@ def _reduce_future(_future: Any) -> Any:
     raise DistgradError("Can not pickle torch.futures.Future")
 
 
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    }
+)  # fmt: skip
+
+
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views: materialise
+        tensor = tensor.resolve_conj().resolve_neg()
+    # Fast path (most messages): a dense contiguous CPU tensor that numpy can view directly.
+    if (
+        tensor.dtype in _NUMPY_DTYPES
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and tensor.is_contiguous()
+    ):
+        try:
+            array = tensor.detach().numpy()
+        except (RuntimeError, TypeError):  # anything numpy can't view takes the general path
+            pass
+        else:
+            return (
+                _rebuild_tensor,
+                (
+                    pickle.PickleBuffer(array),  # type: ignore[arg-type]
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    tensor.stride(),
+                    tensor.requires_grad,
+                ),
+            )
     requires_grad = tensor.requires_grad
     if tensor.device.type != "cpu":
         device_check: DeviceCheck | None = getattr(_policy, "device_check", None)
@@ -266,14 +299,18 @@ def encode(
 ) -> Encoded:
     """Pickle ``obj`` for the wire.
 
-    Tensors are collected into a table while ``obj`` is pickled; ``make_ext(tensors)`` (if
-    given) then returns the message's extension object (e.g. autograd metadata, which depends
-    on the tensors), and the table stream -- ``(ext, tensors)`` with the tensor bytes as
-    out-of-band buffers -- goes in front of the payload stream. A message without tensors or
-    extension is the payload stream alone. ``device_check`` is called with every non-CPU tensor
-    and returns the tensor to send (e.g. a CPU copy) or raises.
+    With ``make_ext``, tensors are collected into a table while ``obj`` is pickled;
+    ``make_ext(tensors)`` then returns the message's extension object (e.g. autograd metadata,
+    which depends on the tensors), and the table stream -- ``(ext, tensors)`` with the tensor
+    bytes as out-of-band buffers -- goes in front of the payload stream. Without ``make_ext``
+    (no layer above wants to see the tensors: the common case) the message is one stream with
+    the tensors' buffers inline, which costs one pickling pass instead of two.
+    ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g. a
+    CPU copy) or raises.
     """
     cache = _cached
+    if make_ext is None:
+        return _encode_inline(obj, cache, device_check)
     reuse = not cache.busy
     buffers: list[pickle.PickleBuffer]
     if reuse:
@@ -314,6 +351,29 @@ def encode(
             cache.table_buffers.clear()
             cache.payload.clear_memo()
             cache.table.clear_memo()
+            cache.busy = False
+
+
+def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
+    reuse = not cache.busy
+    buffers: list[pickle.PickleBuffer]
+    if reuse:
+        cache.busy = True
+        file, buffers, pickler = cache.table_file, cache.table_buffers, cache.table
+    else:
+        file, buffers = io.BytesIO(), []
+        pickler = _TablePickler(file, protocol=5, buffer_callback=buffers.append)
+    _policy.device_check = device_check
+    try:
+        pickler.dump(obj)
+        return Encoded(file.getvalue(), list(buffers), [], 0)
+    finally:
+        _policy.device_check = None
+        if reuse:
+            file.seek(0)
+            file.truncate()
+            buffers.clear()
+            pickler.clear_memo()
             cache.busy = False
 
 
