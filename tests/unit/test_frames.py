@@ -237,11 +237,6 @@ def test_max_buffers_is_accepted() -> None:
     assert len(frame.buffers) == MAX_BUFFERS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: FrameParser's small-frame fast path never checks max_message_size, so a "
-    "complete small frame above a max below 64 KiB is accepted (only a split one is refused)",
-)
 def test_small_oversized_frame_arriving_whole_is_refused() -> None:
     """A frame above a small maximum is refused even when it arrives in one read."""
     data = encode(Kind.REQUEST, 1, 0, b"x" * 100, [])

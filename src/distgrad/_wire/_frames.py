@@ -139,7 +139,7 @@ class FrameParser:
         if self._header is not None:
             return
         view, start, end = self._view, self._start, self._end
-        limit = self._direct_threshold
+        limit = min(self._direct_threshold, self._max)  # larger: the general path decides
         while end - start >= _HEADER_SIZE:
             kind, flags, nbuf, meta_len, message_id = _unpack_header(view, start)
             stop = start + _HEADER_SIZE + meta_len
