@@ -264,6 +264,17 @@ class _ThreadPicklers(threading.local):
         )
         self.busy = False
 
+    def release(self) -> None:
+        """Make the cached picklers ready for the next message on this thread."""
+        for file in (self.file, self.table_file):
+            file.seek(0)
+            file.truncate()
+        self.buffers.clear()
+        self.table_buffers.clear()
+        self.payload.clear_memo()
+        self.table.clear_memo()
+        self.busy = False
+
 
 _cached = _ThreadPicklers()
 
@@ -344,14 +355,7 @@ def encode(
         _policy.table = previous
         _policy.device_check = None
         if reuse:
-            for f in (cache.file, cache.table_file):
-                f.seek(0)
-                f.truncate()
-            cache.buffers.clear()
-            cache.table_buffers.clear()
-            cache.payload.clear_memo()
-            cache.table.clear_memo()
-            cache.busy = False
+            cache.release()
 
 
 def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
@@ -370,11 +374,7 @@ def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck |
     finally:
         _policy.device_check = None
         if reuse:
-            file.seek(0)
-            file.truncate()
-            buffers.clear()
-            pickler.clear_memo()
-            cache.busy = False
+            cache.release()
 
 
 OnTable = Callable[[Any, list[torch.Tensor]], list[torch.Tensor]]
