@@ -266,7 +266,7 @@ def _collect(
                 receive(rank)
         if failures:
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-    for rank in list(waiting):  # ranks that may die and are still running (e.g. stopped)
+    for rank in [r for r in waiting if r in may_die]:  # still running (e.g. stopped)
         if procs[rank].is_alive():
             procs[rank].kill()
         procs[rank].join(5)
