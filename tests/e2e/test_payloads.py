@@ -1,0 +1,107 @@
+"""Tensor payloads over real sockets: echoed through another worker, they come back bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distgrad.rpc as rpc
+from tests._harness import run_workers
+from tests._tensors import DTYPES, random_tensor, same_bits
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def echo(x: object) -> object:
+    return x
+
+
+def describe(x: torch.Tensor) -> tuple[object, ...]:
+    """What the callee sees of a tensor."""
+    return (
+        x.dtype,
+        tuple(x.shape),
+        x.stride() if x.layout == torch.strided else None,
+        x.requires_grad,
+        type(x).__name__,
+        x.is_sparse,
+    )
+
+
+def same_object(a: object, b: object) -> bool:
+    return a is b
+
+
+def echo_program(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    peer = "worker1"
+    # 64 MiB of random bytes, both ways, sync and async
+    big = torch.randint(0, 256, (64 * 1024 * 1024,), dtype=torch.uint8)
+    back = rpc.rpc_sync(peer, echo, (big,))
+    assert back.dtype == torch.uint8 and back.shape == big.shape
+    assert torch.equal(back, big), "64 MiB echo differs"
+    assert back.data_ptr() != big.data_ptr()
+    assert torch.equal(rpc.rpc_async(peer, echo, (big,)).wait(), big)
+    del back
+    # every dtype, bit for bit (NaN payloads included), plus 0-dim and empty
+    for i, dtype in enumerate(DTYPES):
+        for shape in ((33, 17), (), (0, 4)):
+            x = random_tensor(dtype, shape, seed=i)
+            y = rpc.rpc_sync(peer, echo, (x,))
+            assert same_bits(x, y), (dtype, shape)
+    # views: strides kept for transposes, values for everything
+    base = torch.randn(64, 48, dtype=torch.float64)
+    t = base.t()
+    y = rpc.rpc_sync(peer, echo, (t,))
+    assert torch.equal(y, t) and y.stride() == t.stride(), y.stride()
+    assert rpc.rpc_sync(peer, describe, (t,))[2] == (1, 48)
+    views = [base[::3, 1::5], base[7], base[:, 9], base[10:20], base.unsqueeze(0).expand(4, 64, 48)]
+    for view in views:
+        y = rpc.rpc_sync(peer, echo, (view,))
+        assert y.shape == view.shape and torch.equal(y, view)
+    expanded = torch.randn(5, 1).expand(5, 4096)
+    y = rpc.rpc_sync(peer, echo, (expanded,))
+    assert torch.equal(y, expanded) and y.stride() == (1, 0)
+    # sparse COO, coalesced and not
+    indices = torch.tensor([[0, 0, 2, 3], [1, 1, 0, 4]])
+    raw = torch.sparse_coo_tensor(indices, torch.randn(4), (4, 5), check_invariants=True)
+    for sparse in (raw, raw.coalesce()):
+        y = rpc.rpc_sync(peer, echo, (sparse,))
+        assert y.is_sparse and y.is_coalesced() == sparse.is_coalesced()
+        assert torch.equal(y._indices(), sparse._indices())
+        assert torch.equal(y.to_dense(), sparse.to_dense())
+    # requires_grad, nn.Parameter
+    leaf = torch.randn(3, requires_grad=True)
+    dtype, shape, _stride, requires_grad, kind, _ = rpc.rpc_sync(peer, describe, (leaf,))
+    assert (dtype, shape, requires_grad, kind) == (torch.float32, (3,), True, "Tensor")
+    param = torch.nn.Parameter(torch.randn(2, 2))
+    assert rpc.rpc_sync(peer, describe, (param,))[3:5] == (True, "Parameter")
+    got = rpc.rpc_sync(peer, echo, (param,))
+    assert isinstance(got, torch.nn.Parameter) and torch.equal(got.detach(), param.detach())
+    # one tensor twice in a message stays one object, on the callee and back
+    x = torch.randn(10)
+    assert rpc.rpc_sync(peer, same_object, (x, x)) is True
+    assert rpc.rpc_sync(peer, same_object, (x, x.clone())) is False
+    a, b = rpc.rpc_sync(peer, echo, ((x, x),))
+    assert a is b and torch.equal(a, x)
+    # tensors inside nested containers and a module's state
+    nested = {"a": [base, (leaf.detach(), "text")], "b": None, "c": {"k": x}}
+    got = rpc.rpc_sync(peer, echo, (nested,))
+    assert torch.equal(got["a"][0], base) and got["a"][1][1] == "text" and got["b"] is None
+    assert torch.equal(got["c"]["k"], x)
+    state = torch.nn.Linear(8, 3).state_dict()
+    got = rpc.rpc_sync(peer, echo, (state,))
+    assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
+    # many tensors in one message
+    many = [torch.full((i % 7,), float(i)) for i in range(1000)]
+    got = rpc.rpc_sync(peer, echo, (many,))
+    assert len(got) == 1000 and all(torch.equal(g, m) for g, m in zip(got, many, strict=True))
+    return "ok"
+
+
+def test_tensor_echo_is_bit_exact() -> None:
+    """A 64 MiB tensor, every dtype (0-dim and empty too), non-contiguous and expanded views,
+    sparse COO (coalesced or not), requires_grad, nn.Parameter, a tensor shared twice, nested
+    containers and 1000 tensors in one message come back exactly as sent."""
+    assert run_workers(echo_program, 2, timeout=75) == {0: "ok", 1: "served"}
