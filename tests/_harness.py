@@ -18,6 +18,7 @@ name); its return value must be picklable.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -37,8 +38,10 @@ __all__ = ["Died", "WorkerFailure", "child_pids", "free_port", "run_workers"]
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src"
+#: A failed rank still tries a graceful shutdown for this long (so idle peers finish cleanly).
+FAILURE_SHUTDOWN_S = 5.0
 #: After the first failure, the other ranks get this long to report before they are killed.
-FAILURE_GRACE_S = 5.0
+FAILURE_GRACE_S = FAILURE_SHUTDOWN_S + 3.0
 #: A rank that reported must have exited within this long (shutdown leaves nothing running).
 EXIT_GRACE_S = 10.0
 
@@ -105,6 +108,7 @@ def _child(
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks on a timeout
     for path in (str(SRC), str(REPO)):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -127,9 +131,9 @@ def _child(
         message = ("error", traceback.format_exc())
     _send(conn, message)
     conn.close()
-    if initialized:  # failed: leave at once rather than wait for a graceful group shutdown
+    if initialized:  # failed: leave the group, gracefully if the others are idle and willing
         try:
-            rpc.shutdown(graceful=False)
+            rpc.shutdown(timeout=FAILURE_SHUTDOWN_S)
         except BaseException:
             pass
     sys.stdout.flush()
@@ -160,7 +164,11 @@ def run_workers(
     ``init=False`` ("skip init"): the child neither initializes nor shuts down RPC, and ``fn``
     gets ``port=`` (a free port for its own ``tcp://`` rendezvous) among its kwargs.
     ``shutdown=False``: ``fn`` shuts down RPC itself.
+
+    On a timeout, every rank still running dumps its threads' stacks to stderr (shown with the
+    test's captured output) before it is killed.
     """
+    __tracebackhide__ = True
     ctx = mp.get_context("spawn")
     port = free_port()
     path = [str(SRC), str(REPO), os.environ.get("PYTHONPATH", "")]
@@ -219,6 +227,7 @@ def _collect(
     timeout: float,
     may_die: frozenset[int],
 ) -> dict[int, Any]:
+    __tracebackhide__ = True
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     reported: set[int] = set()
@@ -250,13 +259,11 @@ def _collect(
             break  # only ranks that may die are left: they are killed, not waited for
         left = deadline - time.monotonic()
         if left <= 0:
+            late = [r for r in sorted(waiting) if r not in may_die]
             failures.update(
-                {
-                    r: f"did not finish within the harness timeout of {timeout:g}s"
-                    for r in sorted(waiting)
-                    if r not in may_die
-                }
+                {r: f"did not finish within the harness timeout of {timeout:g}s" for r in late}
             )
+            _dump_stacks([procs[r] for r in late])
             break
         objects: list[Any] = list(waiting.values())
         objects += [procs[r].sentinel for r in waiting]
@@ -296,6 +303,17 @@ def _collect(
             f"{len(failures)} of {world_size} workers failed after {elapsed:.1f}s:\n{report}"
         )
     return results
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    """Ask each process to print its threads' stacks (faulthandler, SIGUSR1)."""
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(1.0)
 
 
 def _describe(exitcode: int | None) -> str:

@@ -1,0 +1,160 @@
+"""Nested RPCs (a UDF that makes RPCs) and ``@async_execution``, end to end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import distgrad.rpc as rpc
+from tests._harness import run_workers
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def ring(path: list[str], x: torch.Tensor, visited: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """Add 1, record this worker, and pass on along ``path``."""
+    visited = [*visited, rpc.get_worker_info().name]
+    if not path:
+        return x + 1, visited
+    return rpc.rpc_sync(path[0], ring, (path[1:], x + 1, visited))  # type: ignore[no-any-return]
+
+
+def ring_async_hop(path: list[str], x: torch.Tensor) -> torch.Tensor:
+    """As ``ring``, but each hop waits on an rpc_async future."""
+    if not path:
+        return x + 1
+    return rpc.rpc_async(path[0], ring_async_hop, (path[1:], x + 1)).wait()  # type: ignore[no-any-return]
+
+
+@rpc.functions.async_execution
+def async_add_then_double(dst: str, x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    return rpc.rpc_async(dst, torch.add, (x, 1)).then(lambda fut: fut.wait() * 2)
+
+
+@rpc.functions.async_execution
+def async_slow_chain(dst: str, x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Completes only after a nested call that itself makes a nested call."""
+    return rpc.rpc_async(dst, ring, ([], x, [])).then(
+        lambda fut: rpc.rpc_sync(dst, torch.mul, (fut.wait()[0], 10))
+    )
+
+
+@rpc.functions.async_execution
+def add_later(x: torch.Tensor, seconds: float) -> torch.futures.Future[torch.Tensor]:
+    """Completes from a timer thread: no worker thread waits meanwhile."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    timer = threading.Timer(seconds, lambda: fut.set_result(x + 1))
+    timer.daemon = True
+    timer.start()
+    return fut
+
+
+@rpc.functions.async_execution
+def async_sleepy(dst: str, x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    return rpc.rpc_async(dst, add_later, (x, 0.5))
+
+
+class AsyncOps:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_add(dst: str, x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        return rpc.rpc_async(dst, torch.add, (x, 2))
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_add(cls, dst: str, x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        return rpc.rpc_async(dst, torch.add, (x, 3))
+
+
+def nested_program(rank: int, world_size: int) -> str:
+    x = torch.zeros(2)
+    me = f"worker{rank}"
+    nxt, after = f"worker{(rank + 1) % 3}", f"worker{(rank + 2) % 3}"
+    # a full ring back to the caller: worker0 -> worker1 -> worker2 -> worker0
+    out, visited = rpc.rpc_sync(nxt, ring, ([after, me], x, [me]))
+    assert torch.equal(out, x + 3), out
+    assert visited == [me, nxt, after, me], visited
+    # a long chain bouncing between two workers
+    out, visited = rpc.rpc_sync(nxt, ring, ([me, nxt] * 5, x, [me]))
+    assert torch.equal(out, x + 11) and visited == [me] + [nxt, me] * 5 + [nxt], visited
+    # many more concurrent nested calls than worker threads (2) on every worker at once
+    futures = [rpc.rpc_async(nxt, ring, ([after, me, nxt], x, [me])) for _ in range(12)]
+    for fut in futures:
+        out, visited = fut.wait()
+        assert torch.equal(out, x + 4) and visited == [me, nxt, after, me, nxt], visited
+    return "ok"
+
+
+def test_nested_rings_and_more_concurrent_nested_calls_than_threads() -> None:
+    """On 3 workers with 2 worker threads each, every worker at once runs rings back to
+    itself (0->1->2->0), a 10-hop chain, and 12 concurrent 4-hop nested calls: all complete
+    with the right results and paths (torch's agent would deadlock here)."""
+    results = run_workers(nested_program, 3, timeout=60, options={"num_worker_threads": 2})
+    assert results == {0: "ok", 1: "ok", 2: "ok"}
+
+
+def async_program(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    x = torch.ones(3)
+    assert torch.equal(rpc.rpc_sync("worker1", async_add_then_double, ("worker2", x)), (x + 1) * 2)
+    assert torch.equal(
+        rpc.rpc_async("worker1", async_add_then_double, ("worker0", x)).wait(), (x + 1) * 2
+    )
+    assert torch.equal(rpc.rpc_sync("worker1", async_slow_chain, ("worker2", x)), (x + 1) * 10)
+    # the decorator is transparent for a local call
+    assert torch.equal(async_add_then_double("worker1", x).wait(), (x + 1) * 2)
+    # innermost under @staticmethod / @classmethod
+    assert torch.equal(rpc.rpc_sync("worker1", AsyncOps.static_add, ("worker2", x)), x + 2)
+    assert torch.equal(rpc.rpc_sync("worker1", AsyncOps.class_add, ("worker2", x)), x + 3)
+    assert AsyncOps.static_add._wrapped_async_rpc_function is not None  # type: ignore[attr-defined]
+    # pending async functions hold no worker thread: 10 of them (0.5 s each) on callees with
+    # one worker thread each finish together, not one after another
+    started = time.monotonic()
+    futures = [rpc.rpc_async("worker1", async_sleepy, ("worker2", x)) for _ in range(10)]
+    assert all(torch.equal(f.wait(), x + 1) for f in futures)
+    elapsed = time.monotonic() - started
+    assert elapsed < 3.0, f"10 pending async functions took {elapsed:.1f}s"
+    return "ok"
+
+
+def test_async_execution() -> None:
+    """@async_execution functions reply when their Future completes (chains with nested
+    calls, from rpc_sync and rpc_async, as static/class methods), and do not hold a worker
+    thread while pending."""
+    results = run_workers(
+        async_program,
+        3,
+        timeout=60,
+        options={"num_worker_threads": 1},
+    )
+    assert results == {0: "ok", 1: "served", 2: "served"}
+
+
+def async_hop_program(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    x = torch.zeros(1)
+    out = rpc.rpc_sync("worker1", ring_async_hop, (["worker0", "worker1"], x), timeout=10)
+    assert torch.equal(out, x + 3), out
+    return "ok"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a UDF waiting on rpc_async(...).wait() keeps its worker-pool slot (only "
+    "rpc_sync frees it), so a re-entrant chain deadlocks until the RPC timeout",
+)
+def test_nested_hops_waiting_on_rpc_async_futures() -> None:
+    """A re-entrant chain worker0 -> worker1 -> worker0 -> worker1 whose hops wait on
+    ``rpc_async(...).wait()`` completes with one worker thread per worker (as with rpc_sync)."""
+    results = run_workers(
+        async_hop_program,
+        2,
+        timeout=40,
+        options={"num_worker_threads": 1, "rpc_timeout": 3},
+    )
+    assert results == {0: "ok", 1: "served"}
