@@ -12,8 +12,7 @@ import torch
 
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
-
-from .cluster import run_cluster
+from tests._harness import run_workers as run_cluster
 
 pytestmark = pytest.mark.timeout(120)
 

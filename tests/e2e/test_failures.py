@@ -10,8 +10,7 @@ import time
 import pytest
 
 import distgrad.rpc as rpc
-
-from .cluster import run_cluster
+from tests._harness import run_workers as run_cluster
 
 pytestmark = pytest.mark.timeout(120)
 

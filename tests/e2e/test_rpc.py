@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
-
-from .cluster import ClusterError, free_port, run_cluster
+from tests._harness import WorkerFailure as ClusterError
+from tests._harness import free_port
+from tests._harness import run_workers as run_cluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,8 +17,7 @@ import torch
 import distgrad.rpc as rpc
 from distgrad._transport._handshake import client_handshake
 from distgrad._wire._frames import HEADER, Kind
-
-from .cluster import run_cluster
+from tests._harness import run_workers as run_cluster
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "test-cluster-secret"
@@ -120,6 +119,7 @@ def split_brain_program(rank: int, world_size: int, port: int) -> str:
         rpc.rpc_sync(f"worker{1 - rank}", echo, (1,))
     assert time.monotonic() - started < 10
     assert rpc.rpc_sync(f"worker{rank}", echo, (2,)) == 2  # itself, always
+    time.sleep(3)  # stay up until the other worker's attempt reached this one's listener
     rpc.shutdown(graceful=False)
     return "ok"
 
