@@ -143,11 +143,6 @@ def async_hop_program(rank: int, world_size: int) -> str:
     return "ok"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a UDF waiting on rpc_async(...).wait() keeps its worker-pool slot (only "
-    "rpc_sync frees it), so a re-entrant chain deadlocks until the RPC timeout",
-)
 def test_nested_hops_waiting_on_rpc_async_futures() -> None:
     """A re-entrant chain worker0 -> worker1 -> worker0 -> worker1 whose hops wait on
     ``rpc_async(...).wait()`` completes with one worker thread per worker (as with rpc_sync)."""

@@ -79,6 +79,24 @@ def _is_builtin(func: Any) -> bool:
         return False
 
 
+class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
+    """The future ``rpc_async`` returns: a ``torch.futures.Future`` whose ``wait()``, on one of
+    the agent's worker threads, frees that thread's pool slot while it waits (as ``rpc_sync``
+    does), so nested calls that wait on futures cannot exhaust the pool either."""
+
+    _pool: ThreadPool | None = None
+
+    def wait(self) -> Any:
+        pool = self._pool
+        if pool is None or self.done() or not pool.is_member():
+            return super().wait()
+        pool.enter_blocking()
+        try:
+            return super().wait()
+        finally:
+            pool.exit_blocking()
+
+
 class _Call:
     """One outgoing request waiting for its response."""
 
@@ -310,7 +328,8 @@ class RpcAgent(FrameHandler):
         internal: bool = False,
     ) -> torch.futures.Future[Any]:
         """Send a request; return a ``torch.futures.Future`` of its result."""
-        future: torch.futures.Future[Any] = torch.futures.Future()
+        future = RpcFuture()
+        future._pool = self._workers
         cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
         if call.timeout > 0:
             self._arm_timeout(cid, call)
