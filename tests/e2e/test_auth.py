@@ -1,0 +1,300 @@
+"""Security end to end: only peers that prove the cluster secret are heard; bad input drops
+that one connection and nothing else; TLS (SPEC 6, "Authentication")."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import os
+import pickle
+import shutil
+import socket
+import ssl
+import struct
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import distgrad.rpc as rpc
+from distgrad._transport._handshake import MAGIC, PROTOCOL_VERSION, client_handshake
+from distgrad._wire._frames import HEADER, MAX_BUFFERS, Kind, encode_frame
+from tests._harness import run_workers
+
+pytestmark = pytest.mark.timeout(90)
+
+HELLO = struct.Struct("<4sHHI32s")
+CHALLENGE = struct.Struct("<4sHHI32s32s")
+MAX_MESSAGE = 1024 * 1024
+
+
+# -- what the workers run ----------------------------------------------------------------------
+def init_group(rank: int, world_size: int, port: int, **options: Any) -> None:
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **options)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+
+
+def tcp_address() -> tuple[str, int]:
+    address = rpc._get_current_rpc_agent().address
+    assert address is not None
+    return address.host, address.port
+
+
+def statistics() -> dict[str, Any]:
+    return dataclasses.asdict(rpc._get_current_rpc_agent().statistics())
+
+
+def echo(x: object) -> object:
+    return x
+
+
+def call(dst: str, x: object) -> object:
+    return rpc.rpc_sync(dst, echo, (x,))
+
+
+class MakeDirectory:
+    """Unpickling this creates a directory: proof that a stream was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.path,))
+
+
+def evil_frame(path: str) -> bytes:
+    return b"".join(
+        bytes(p) for p in encode_frame(Kind.REQUEST, 1, pickle.dumps(MakeDirectory(path)))
+    )
+
+
+# -- raw clients -------------------------------------------------------------------------------
+def closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
+    """True if the peer closes the connection (EOF or reset) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def wrong_proof(host: str, port: int, then: bytes = b"") -> socket.socket:
+    """A valid HELLO, then a proof made with another secret (and ``then``, pipelined)."""
+    sock = socket.create_connection((host, port), timeout=5)
+    nonce_c = os.urandom(32)
+    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, nonce_c))
+    _m, _v, _f, rank_s, nonce_s, _mac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
+    message = b"distgrad-auth-v1|client|" + nonce_c + nonce_s + struct.pack("<II", 0, rank_s)
+    sock.sendall(hmac.new(b"wrong secret", message, hashlib.sha256).digest() + then)
+    return sock
+
+
+def authenticated(host: str, port: int, secret: bytes, claim_rank: int = 0) -> socket.socket:
+    """A client that knows the secret, claiming to be ``claim_rank``."""
+    sock = socket.create_connection((host, port), timeout=5)
+    client_handshake(sock, secret, claim_rank, 1)
+    return sock
+
+
+def attack_program(rank: int, world_size: int, port: int, marks: str) -> dict[str, Any] | str:
+    import distgrad._config as config
+
+    config.DEFAULT_HANDSHAKE_TIMEOUT = 1.5  # so the silent client is dropped quickly
+    init_group(rank, world_size, port, max_message_size=MAX_MESSAGE)
+    if rank != 0:
+        rpc.shutdown()
+        return "served"
+    secret = os.environ["DISTGRAD_SECRET"].encode()
+    host, tcp_port = rpc.rpc_sync("worker1", tcp_address)
+    before = rpc.rpc_sync("worker1", statistics)
+    dropped: dict[str, bool] = {}
+    silent = socket.create_connection((host, tcp_port))  # says nothing at all
+    # before authentication: garbage, a wrong proof, a rank outside the group
+    garbage = socket.create_connection((host, tcp_port))
+    garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 8)
+    dropped["garbage"] = closed_by_peer(garbage)
+    unpickled_first = socket.create_connection((host, tcp_port))
+    unpickled_first.sendall(evil_frame(f"{marks}/instead-of-hello"))
+    dropped["pickle instead of hello"] = closed_by_peer(unpickled_first)
+    dropped["wrong proof"] = closed_by_peer(
+        wrong_proof(host, tcp_port, then=evil_frame(f"{marks}/after-wrong-proof"))
+    )
+    bad_rank = socket.create_connection((host, tcp_port))
+    bad_rank.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 99, os.urandom(32)))
+    dropped["rank outside the group"] = closed_by_peer(bad_rank)
+    # after authenticating (as rank 0!): frames that break the protocol
+    for name, header in (
+        ("oversized frame", HEADER.pack(Kind.REQUEST, 0, 0, MAX_MESSAGE + 1, 7)),
+        ("unknown frame kind", HEADER.pack(200, 0, 0, 0, 7)),
+        ("too many buffers", HEADER.pack(Kind.REQUEST, 0, MAX_BUFFERS + 1, 0, 7)),
+    ):
+        sock = authenticated(host, tcp_port, secret)
+        sock.sendall(header)
+        dropped[name] = closed_by_peer(sock)
+    started = time.monotonic()
+    dropped["silent"] = closed_by_peer(silent, within=8.0)
+    silent_after = time.monotonic() - started
+    # control: an authenticated peer's stream *is* unpickled (the marks can show it)
+    control = authenticated(host, tcp_port, secret)
+    control.sendall(evil_frame(f"{marks}/authenticated"))
+    assert recv_exact(control, HEADER.size)  # the (error) response
+    # (worker1 must drop this impostor for a protocol error: a connection from "rank 0" that
+    # just closed would tell worker1 that worker0 is gone)
+    control.sendall(HEADER.pack(201, 0, 0, 0, 8))
+    dropped["control"] = closed_by_peer(control)
+    # worker1 keeps serving everyone, and still trusts the real worker0
+    x = torch.randn(1000)
+    assert torch.equal(rpc.rpc_sync("worker1", echo, (x,)), x)
+    assert rpc.rpc_sync("worker2", call, ("worker1", 3)) == 3
+    assert rpc.rpc_sync("worker1", call, ("worker0", 4)) == 4
+    after = rpc.rpc_sync("worker1", statistics)
+    rpc.shutdown()
+    return {"dropped": dropped, "before": before, "after": after, "silent_after": silent_after}
+
+
+def test_bad_clients_are_dropped_and_the_worker_keeps_serving(tmp_path: Path) -> None:
+    """Raw TCP clients sending garbage, a pickle instead of a HELLO, a wrong proof, a rank
+    outside the group, nothing at all, or (authenticated) an oversized frame, an unknown frame
+    kind or too many buffers are each disconnected; nothing sent before authentication is
+    unpickled (an authenticated control is); the worker's counters record each failure; the
+    worker keeps serving worker0 and worker2, and still trusts worker0."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    results = run_workers(attack_program, 3, init=False, timeout=75, kwargs={"marks": str(marks)})
+    report = results[0]
+    assert report["dropped"] == {name: True for name in report["dropped"]}, report["dropped"]
+    assert len(report["dropped"]) == 9
+    assert report["silent_after"] < 8.0
+    before, after = report["before"], report["after"]
+    assert after["handshakes_failed"] - before["handshakes_failed"] == 5, (before, after)
+    assert after["protocol_errors"] - before["protocol_errors"] == 4, (before, after)
+    assert list(after["dead_peers"]) == []
+    assert sorted(p.name for p in marks.iterdir()) == ["authenticated"]
+
+
+# -- different secrets -------------------------------------------------------------------------
+def split_brain(rank: int, world_size: int, port: int) -> dict[str, float] | str:
+    init_group(rank, world_size, port, rpc_timeout=10)
+    peer = f"worker{1 - rank}"
+    timings = {}
+    for attempt in ("sync", "async", "again"):
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="authentication") as info:
+            if attempt == "async":
+                rpc.rpc_async(peer, echo, (1,)).wait()
+            else:
+                rpc.rpc_sync(peer, echo, (1,))
+        assert isinstance(info.value, rpc.HandshakeError), repr(info.value)
+        timings[attempt] = time.monotonic() - started
+        assert timings[attempt] < 5.0, timings
+    assert rpc.rpc_sync(f"worker{rank}", echo, (2,)) == 2  # itself, always
+    # leave only once the peer's attempts have reached (and failed on) this worker too
+    deadline = time.monotonic() + 20
+    while rpc._get_current_rpc_agent().statistics().handshakes_failed < 3:
+        assert time.monotonic() < deadline, "the peer's attempts never arrived"
+        time.sleep(0.05)
+    rpc.shutdown(graceful=False)
+    return timings
+
+
+def test_workers_with_different_secrets_cannot_talk() -> None:
+    """Two workers with different DISTGRAD_SECRET values rendezvous, but every call between
+    them fails promptly with an authentication error (again on retry), on both sides; each
+    still calls itself."""
+    results = run_workers(
+        split_brain,
+        2,
+        init=False,
+        timeout=60,
+        rank_env={0: {"DISTGRAD_SECRET": "secret-zero"}, 1: {"DISTGRAD_SECRET": "secret-one"}},
+    )
+    assert set(results) == {0, 1}
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+def self_signed(directory: Path) -> tuple[str, str]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return str(cert), str(key)
+
+
+def tls_program(rank: int, world_size: int, port: int, cert: str, key: str) -> str:
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_verify_locations(cert)
+    init_group(rank, world_size, port, server_ssl_context=server, client_ssl_context=client)
+    peer = f"worker{1 - rank}"
+    x = torch.randn(3 * 1024 * 1024)  # 12 MiB: many TLS records
+    assert torch.equal(rpc.rpc_sync(peer, echo, (x,)), x)
+    assert rpc.rpc_sync(peer, echo, ("small",)) == "small"
+    assert torch.equal(rpc.rpc_async(peer, torch.add, (x, 1)).wait(), x + 1)
+    if rank == 0:
+        host, tcp_port = rpc.rpc_sync(peer, tcp_address)
+        secret = os.environ["DISTGRAD_SECRET"].encode()
+        # a plaintext client gets no handshake answer: the port speaks TLS only
+        plain = socket.create_connection((host, tcp_port), timeout=5)
+        plain.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, os.urandom(32)))
+        try:
+            answer = recv_exact(plain, CHALLENGE.size)
+        except ConnectionResetError:
+            answer = b""
+        plain.close()
+        assert not answer.startswith(MAGIC), answer
+        # a TLS client with the secret completes the distgrad handshake over TLS
+        with client.wrap_socket(
+            socket.create_connection((host, tcp_port), timeout=5), server_hostname=host
+        ) as tls:
+            client_handshake(tls, secret, 0, 1)
+        # and one without it is refused
+        with (
+            client.wrap_socket(
+                socket.create_connection((host, tcp_port), timeout=5), server_hostname=host
+            ) as tls,
+            pytest.raises(rpc.HandshakeError, match="authentication"),
+        ):
+            client_handshake(tls, b"wrong", 0, 1)
+    rpc.shutdown()
+    return "ok"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_between_workers(tmp_path: Path) -> None:
+    """With server/client TLS contexts (and Unix sockets off, so all traffic is TCP), RPCs
+    with large tensors work; the TCP port refuses plaintext and runs the distgrad handshake
+    inside TLS."""
+    cert, key = self_signed(tmp_path)
+    results = run_workers(
+        tls_program,
+        2,
+        init=False,
+        timeout=75,
+        env={"DISTGRAD_UNIX_SOCKETS": "0"},
+        kwargs={"cert": cert, "key": key},
+    )
+    assert results == {0: "ok", 1: "ok"}
