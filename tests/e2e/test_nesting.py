@@ -80,6 +80,8 @@ def nested_program(rank: int, world_size: int) -> str:
     # a long chain bouncing between two workers
     out, visited = rpc.rpc_sync(nxt, ring, ([me, nxt] * 5, x, [me]))
     assert torch.equal(out, x + 11) and visited == [me] + [nxt, me] * 5 + [nxt], visited
+    # the same chain with every hop waiting on an rpc_async future instead
+    assert torch.equal(rpc.rpc_sync(nxt, ring_async_hop, ([me, nxt] * 5, x)), x + 11)
     # many more concurrent nested calls than worker threads (2) on every worker at once
     futures = [rpc.rpc_async(nxt, ring, ([after, me, nxt], x, [me])) for _ in range(12)]
     for fut in futures:
@@ -90,7 +92,8 @@ def nested_program(rank: int, world_size: int) -> str:
 
 def test_nested_rings_and_more_concurrent_nested_calls_than_threads() -> None:
     """On 3 workers with 2 worker threads each, every worker at once runs rings back to
-    itself (0->1->2->0), a 10-hop chain, and 12 concurrent 4-hop nested calls: all complete
+    itself (0->1->2->0), 10-hop chains (hops waiting in rpc_sync, or on rpc_async futures),
+    and 12 concurrent 4-hop nested calls: all complete
     with the right results and paths (torch's agent would deadlock here)."""
     results = run_workers(nested_program, 3, timeout=60, options={"num_worker_threads": 2})
     assert results == {0: "ok", 1: "ok", 2: "ok"}
