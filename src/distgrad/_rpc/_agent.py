@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.jit._builtins import _find_builtin as _find_builtin_untyped
 
 from .. import _config
 from .._errors import (
@@ -51,6 +50,7 @@ from .._transport._transport import (
 from .._wire._frames import Frame, Kind, encode_frame
 from .._wire._pickler import decode, dumps, encode, loads
 from . import _extension
+from ._calls import RpcFuture, _Call, is_builtin
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload
@@ -63,75 +63,10 @@ _TICK = 0.02  # resolution of rpc_async timeouts, seconds
 
 AnyConnection = Connection | LoopbackConnection
 
-_find_builtin: Callable[[Any], Any] = _find_builtin_untyped
-
 _UDF_MISSING = (
     "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
     "both caller and callee modules."
 )
-
-
-def _is_builtin(func: Any) -> bool:
-    """True for torch operators that the reference runs as builtins (e.g. ``torch.add``)."""
-    try:
-        return _find_builtin(func) is not None
-    except Exception:
-        return False
-
-
-class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
-    """The future ``rpc_async`` returns: a ``torch.futures.Future`` whose ``wait()``, on one of
-    the agent's worker threads, frees that thread's pool slot while it waits (as ``rpc_sync``
-    does), so nested calls that wait on futures cannot exhaust the pool either."""
-
-    _pool: ThreadPool | None = None
-
-    def wait(self) -> Any:
-        pool = self._pool
-        if pool is None or self.done() or not pool.is_member():
-            return super().wait()
-        pool.enter_blocking()
-        try:
-            return super().wait()
-        finally:
-            pool.exit_blocking()
-
-
-class _Call:
-    """One outgoing request waiting for its response."""
-
-    __slots__ = (
-        "cid",
-        "conn",
-        "error",
-        "frame",
-        "future",
-        "internal",
-        "lock",
-        "slot",
-        "timeout",
-    )
-
-    def __init__(
-        self,
-        cid: int,
-        conn: AnyConnection,
-        timeout: float,
-        internal: bool,
-        future: torch.futures.Future[Any] | None,
-    ) -> None:
-        self.cid = cid
-        self.conn = conn
-        self.timeout = timeout
-        self.internal = internal
-        self.future = future
-        self.frame: Frame | None = None
-        self.error: BaseException | None = None
-        self.slot = 0
-        self.lock: threading.Lock | None = None
-        if future is None:
-            self.lock = threading.Lock()
-            self.lock.acquire()
 
 
 class RpcAgent(FrameHandler):
@@ -476,7 +411,7 @@ class RpcAgent(FrameHandler):
                         return
                     result = func(*args, **(kwargs or {}))
         except BaseException as exc:
-            self._reply_error(conn, frame.message_id, exc, builtin=_is_builtin(func))
+            self._reply_error(conn, frame.message_id, exc, builtin=is_builtin(func))
             return
         self._reply(conn, frame.message_id, result, state)
 

@@ -15,7 +15,8 @@ import torch
 from .. import _config
 from .._errors import RpcTimeoutError
 from . import _collectives, _rendezvous
-from ._agent import RpcAgent, _is_builtin, current_agent, set_current_agent
+from ._agent import RpcAgent, current_agent, set_current_agent
+from ._calls import is_builtin
 from ._options import (
     BackendType,
     RpcBackendOptions,
@@ -218,7 +219,7 @@ def rpc_sync(
     if not callable(func):
         raise TypeError("function should be callable.")
     return agent.call_sync(
-        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not _is_builtin(func)
+        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
 
 
@@ -236,7 +237,7 @@ def rpc_async(
     if not callable(func):
         raise TypeError("function should be callable.")
     future = agent.call_async(
-        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not _is_builtin(func)
+        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
     collected = getattr(_wait_all_state, "futures", None)
     if collected is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._autograd import _context, _engine
+from .._autograd._cleanup import after_release
 from .._autograd._context import CONTAINER, DistAutogradContext, context
 from .._autograd._engine import BackwardError
 from .._autograd._recording import AutogradRecording
@@ -47,7 +48,7 @@ def _new_context() -> DistAutogradContext:
 
 
 def _release_context(context_id: int) -> None:
-    _engine._after_release(CONTAINER.release_context(context_id))
+    after_release(CONTAINER.release_context(context_id))
 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
@@ -79,7 +80,7 @@ def _on_rpc_init(rank: int) -> None:
 
 
 set_extension(AutogradRecording())
-_context.on_release = _engine._after_release
+_context.on_release = after_release
 if _on_rpc_init not in _rpc_api.init_hooks:
     _rpc_api.init_hooks.append(_on_rpc_init)
 _agent = current_agent()

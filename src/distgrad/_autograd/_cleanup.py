@@ -1,0 +1,78 @@
+"""Context cleanup across workers: leaving ``with context()`` releases the context everywhere
+it went (SPEC 2.2: transitive, best effort, retried)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .._errors import PeerFailureError, RpcShutdownError
+from .._rpc._agent import current_agent
+from ._context import CONTAINER, DistAutogradContext
+from ._engine import BackwardError
+
+__all__ = ["after_release"]
+
+_log = logging.getLogger("distgrad.autograd")
+
+_CLEANUP_ATTEMPTS = 3
+
+
+def _cleanup_message(context_id: int, notified: frozenset[int] = frozenset()) -> None:
+    ctx = CONTAINER.release_context_if_present(context_id)
+    if ctx is not None:
+        after_release(ctx, notified)
+
+
+def after_release(ctx: DistAutogradContext, notified: frozenset[int] = frozenset()) -> None:
+    """Fail a pass in progress, and tell every known worker to release the context too.
+
+    Cleanup spreads transitively (a worker forwards it to its own known workers); each message
+    carries the workers already told, so a context two workers share costs one message, not
+    one each way."""
+    with ctx.lock:
+        if ctx.pass_state is not None:
+            ctx.pass_state.fail(
+                BackwardError(f"Could not find autograd context with id: {ctx.context_id}")
+            )
+    agent = current_agent()
+    if agent is None:
+        return
+    me = CONTAINER.worker_id
+    targets = sorted(w for w in ctx.known_worker_ids if w != me and w not in notified)
+    told = notified | set(targets) | {me}
+    for worker in targets:
+        _send_cleanup(agent, worker, ctx.context_id, told, _CLEANUP_ATTEMPTS)
+
+
+def _send_cleanup(
+    agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int
+) -> None:
+    """Best effort, retried: a failure other than a dead peer or a stopped agent is retried."""
+    try:
+        future = agent.call_async(
+            agent.get_worker_info(worker),
+            _cleanup_message,
+            (context_id, told),
+            {},
+            0,
+            internal=True,
+        )
+    except Exception as exc:  # the peer is gone or the agent is stopping
+        _log.debug("context %s: cleanup to worker %s not sent: %s", context_id, worker, exc)
+        return
+
+    def done(result: torch.futures.Future[Any]) -> None:
+        try:
+            result.wait()
+        except (PeerFailureError, RpcShutdownError) as exc:
+            _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
+        except Exception as exc:
+            if attempts > 1:
+                _send_cleanup(agent, worker, context_id, told, attempts - 1)
+            else:
+                _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
+
+    future.add_done_callback(done)
