@@ -260,9 +260,12 @@ def _collect(
         left = deadline - time.monotonic()
         if left <= 0:
             late = [r for r in sorted(waiting) if r not in may_die]
-            failures.update(
-                {r: f"did not finish within the harness timeout of {timeout:g}s" for r in late}
+            why = (
+                f"did not finish within {FAILURE_GRACE_S:g}s of another worker's failure"
+                if failures
+                else f"did not finish within the harness timeout of {timeout:g}s"
             )
+            failures.update({r: why for r in late})
             _dump_stacks([procs[r] for r in late])
             break
         objects: list[Any] = list(waiting.values())
