@@ -100,9 +100,7 @@ def test_init_forms_errors_and_init_again_after_shutdown(tmp_path: Path) -> None
 def duplicate_names(rank: int, world_size: int, port: int, second_port: int) -> str:
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20)
     name = "same-name" if rank < 2 else "unique"
-    # (rank 0, which hosts the store, always sees the message; a slower worker may see the
-    # store's error instead: see test_duplicate_worker_names_on_slow_workers)
-    with pytest.raises(RuntimeError, match="is not unique" if rank == 0 else ""):
+    with pytest.raises(RuntimeError, match="is not unique"):
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
     assert not rpc._is_current_rpc_agent_set()
     with pytest.raises(RuntimeError, match=NOT_INITIALIZED):
@@ -116,8 +114,8 @@ def duplicate_names(rank: int, world_size: int, port: int, second_port: int) -> 
 
 
 def test_duplicate_worker_names() -> None:
-    """When two of three workers share a name every worker's init_rpc fails (with "is not
-    unique" on rank 0) and leaves RPC uninitialized; the processes can then init properly."""
+    """When two of three workers share a name every worker's init_rpc fails with "is not
+    unique" and leaves RPC uninitialized; the processes can then init properly."""
     results = run_workers(
         duplicate_names, 3, init=False, timeout=60, kwargs={"second_port": free_port()}
     )
@@ -146,12 +144,6 @@ def duplicate_names_slow(rank: int, world_size: int, port: int) -> str:
     return "initialized"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: rank 0 hosts the rendezvous TCPStore and drops it as soon as its own init_rpc "
-    "fails, so a slower worker gets the store's 'Failed to recv'/'Broken pipe' error instead of "
-    "'is not unique'",
-)
 def test_duplicate_worker_names_on_slow_workers() -> None:
     """Slow workers also get the "is not unique" error, not a rendezvous-store error."""
     results = run_workers(duplicate_names_slow, 3, init=False, timeout=60)

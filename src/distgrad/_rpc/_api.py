@@ -41,6 +41,7 @@ To = str | int | WorkerInfo
 
 _init_lock = threading.Lock()
 _init_counter = itertools.count()
+_failed_stores: list[Any] = []
 #: Callables run by ``init_rpc(rank)`` before the agent starts (dist autograd registers here).
 init_hooks: list[Callable[[int], None]] = []
 
@@ -143,6 +144,9 @@ def init_rpc(
         except BaseException:
             set_current_agent(None)
             agent.stop(graceful=False)
+            # Rank 0 hosts the TCPStore: keep it up after a failed init, as other workers may
+            # still be reading from it (they would see "Broken pipe" or hang otherwise).
+            _failed_stores.append(store)
             raise
 
 

@@ -134,6 +134,9 @@ def exchange_addresses(
         rec = json.loads(bytes(raw))
         name = str(rec["name"])
         if name in seen:
+            # Every worker read the same records and fails alike; leave together, so that rank
+            # 0 (which hosts the TCPStore) does not take the store away from readers.
+            barrier(store, "distgrad/names-checked", world_size)
             raise RuntimeError(
                 f"RPC worker name {name} is not unique. Workers {seen[name]} and {rank} share "
                 "the same name."
