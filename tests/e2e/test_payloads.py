@@ -124,12 +124,6 @@ def over_the_limit(rank: int, world_size: int) -> str:
     return "ok"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a request or response above max_message_size makes the receiver reset the "
-    "connection; the call fails with 'Connection reset by peer' (no word of the size) and the "
-    "sender then treats the receiver as dead for good",
-)
 def test_message_above_the_maximum_fails_that_call_only() -> None:
     """A request or a response above max_message_size fails that call with an error naming
     the limit; the two workers keep talking afterwards."""

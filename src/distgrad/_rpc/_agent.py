@@ -32,6 +32,7 @@ import torch
 from .. import _config
 from .._errors import (
     DistgradError,
+    MessageTooLargeError,
     PeerFailureError,
     RpcShutdownError,
     RpcTimeoutError,
@@ -48,7 +49,7 @@ from .._transport._transport import (
     TransportStatistics,
 )
 from .._wire._frames import Frame, Kind, encode_frame
-from .._wire._pickler import decode, dumps, encode, loads
+from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension
 from ._calls import RpcFuture, _Call, is_builtin
 from ._options import TensorPipeRpcBackendOptions
@@ -198,6 +199,7 @@ class RpcAgent(FrameHandler):
             encoded = encode(
                 payload, lambda tensors: extension.outgoing_request(dst.id, tensors, force)
             )
+        self._check_size(encoded)
         cid = next(self._ids)
         call = _Call(cid, conn, self._effective_timeout(timeout), internal, future)
         if not internal:
@@ -452,6 +454,7 @@ class RpcAgent(FrameHandler):
                 encoded = encode(
                     result, lambda tensors: extension.outgoing_response(state, peer, tensors)
                 )
+            self._check_size(encoded)
         except BaseException as exc:
             self._reply_error(conn, message_id, exc)
             return
@@ -459,6 +462,19 @@ class RpcAgent(FrameHandler):
             conn,
             encode_frame(Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, encoded.flags),
         )
+
+    def _check_size(self, encoded: Encoded) -> None:
+        """Refuse to send what the peer would refuse to receive (it would drop the connection:
+        the call would fail without saying why, and every call on that connection with it)."""
+        limit = self.options.max_message_size
+        size = len(encoded.meta)
+        if encoded.buffers:
+            size += sum(buffer.raw().nbytes for buffer in encoded.buffers)
+        if size > limit:
+            raise MessageTooLargeError(
+                f"message of {size} bytes exceeds the maximum message size of {limit} bytes "
+                "(TensorPipeRpcBackendOptions(max_message_size=...))"
+            )
 
     def _reply_error(
         self, conn: AnyConnection, message_id: int, exc: BaseException, builtin: bool = False
