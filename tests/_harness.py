@@ -148,6 +148,7 @@ def run_workers(
     kwargs: Mapping[str, Any] | None = None,
     rank_kwargs: Mapping[int, Mapping[str, Any]] | None = None,
     options: Mapping[str, Any] | None = None,
+    rank_options: Mapping[int, Mapping[str, Any]] | None = None,
     secret: str | None = "",
     env: Mapping[str, str] | None = None,
     rank_env: Mapping[int, Mapping[str, str]] | None = None,
@@ -159,8 +160,10 @@ def run_workers(
     ``{rank: result}`` (a :class:`Died` for a ``may_die`` rank that ended without one).
 
     ``options``: keyword arguments of ``TensorPipeRpcBackendOptions`` (built in the child, so
-    they need only be picklable). ``secret``: the cluster secret put in ``DISTGRAD_SECRET``;
-    ``""`` (default) makes a fresh one for this run, ``None`` leaves the variable unset.
+    they need only be picklable); ``rank_options``, ``rank_kwargs`` and ``rank_env`` add to
+    ``options``, ``kwargs`` and ``env`` for one rank. ``secret``: the cluster secret put in
+    ``DISTGRAD_SECRET``; ``""`` (default) makes a fresh one for this run, ``None`` leaves the
+    variable unset.
     ``init=False`` ("skip init"): the child neither initializes nor shuts down RPC, and ``fn``
     gets ``port=`` (a free port for its own ``tcp://`` rendezvous) among its kwargs.
     ``shutdown=False``: ``fn`` shuts down RPC itself.
@@ -186,6 +189,8 @@ def run_workers(
             child_kwargs.update((rank_kwargs or {}).get(rank, {}))
             if not init:
                 child_kwargs.setdefault("port", port)
+            child_options = dict(options or {})
+            child_options.update((rank_options or {}).get(rank, {}))
             child_env = dict(base_env)
             child_env.update((rank_env or {}).get(rank, {}))
             receiver, sender = ctx.Pipe(duplex=False)
@@ -199,7 +204,7 @@ def run_workers(
                     port,
                     init,
                     shutdown,
-                    dict(options or {}),
+                    child_options,
                     child_kwargs,
                     child_env,
                 ),

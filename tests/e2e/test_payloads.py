@@ -129,3 +129,46 @@ def test_message_above_the_maximum_fails_that_call_only() -> None:
     the limit; the two workers keep talking afterwards."""
     results = run_workers(over_the_limit, 2, timeout=60, options={"max_message_size": 1024 * 1024})
     assert results == {0: "ok", 1: "served"}
+
+
+def fetch_big_from(dst: str, n: int) -> str:
+    """On the worker with the small limit: ask ``dst`` for ``n`` bytes; return the error."""
+    try:
+        rpc.rpc_sync(dst, make_bytes, (n,))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def ask(dst: str, back: str) -> object:
+    return rpc.rpc_sync(back, echo, ("back",))
+
+
+def receiver_limit(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    too_big = 2 * 1024 * 1024
+    # worker1 alone has the 1 MiB limit: it receives a request above it
+    with pytest.raises(RuntimeError, match="maximum message size"):
+        rpc.rpc_sync("worker1", echo, (make_bytes(too_big),))
+    # and a response above it
+    assert "maximum message size" in rpc.rpc_sync("worker1", fetch_big_from, ("worker0", too_big))
+    # both still talk, both ways
+    assert rpc.rpc_sync("worker1", echo, ("small",)) == "small"
+    assert rpc.rpc_sync("worker1", ask, ("worker1", "worker0")) == "back"
+    return "ok"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: when only the receiver's max_message_size is exceeded, it resets the "
+    "connection: the sender's call fails with 'Connection reset by peer' and the peer that "
+    "sent the oversized message is treated as dead from then on",
+)
+def test_message_above_only_the_receivers_maximum() -> None:
+    """With the limit set on the receiving worker only, an oversized request or response
+    fails that call with an error naming the limit; both workers keep talking both ways."""
+    results = run_workers(
+        receiver_limit, 2, timeout=60, rank_options={1: {"max_message_size": 1024 * 1024}}
+    )
+    assert results == {0: "ok", 1: "served"}
