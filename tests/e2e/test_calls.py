@@ -114,3 +114,45 @@ def test_self_calls_copies_wait_all_and_callbacks() -> None:
     get their own result; ``_wait_all`` waits for exactly the futures of its block;
     ``then`` callbacks may make RPCs; ``_all_gather`` and ``_barrier`` work."""
     assert run_workers(self_calls, 2, timeout=60) == {0: "ok", 1: "ok"}
+
+
+def from_many_threads(rank: int, world_size: int) -> str:
+    peer = f"worker{1 - rank}"
+    errors: list[BaseException] = []
+
+    def caller(t: int) -> None:
+        try:
+            for i in range(40):
+                x = torch.full((4,), float(t * 1000 + i))
+                if i % 2:
+                    got = rpc.rpc_sync(peer, combine, (x, 1))
+                else:
+                    got = rpc.rpc_async(peer, combine, (x,), {"b": 1}).wait()
+                assert torch.equal(got, x + 1), (t, i, got)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[:3]
+    # a slow callback does not hold up other calls: callbacks run off the I/O thread
+    release = threading.Event()
+    slow = rpc.rpc_async(peer, combine, (1, 1)).then(lambda fut: release.wait(10) and fut.wait())
+    started = time.monotonic()
+    for _ in range(20):
+        assert rpc.rpc_sync(peer, combine, (2, 2)) == 4
+    assert rpc.rpc_async(peer, combine, (3, 3)).wait() == 6
+    took = time.monotonic() - started
+    release.set()
+    assert slow.wait() == 2
+    assert took < 2.0, f"calls took {took:.2f}s while a callback was blocked"
+    return "ok"
+
+
+def test_calls_from_many_threads_and_slow_callbacks() -> None:
+    """8 threads on each of 2 workers make 40 interleaved sync/async calls each, all with
+    their own results; a callback blocked on a future does not hold up later calls."""
+    assert run_workers(from_many_threads, 2, timeout=60) == {0: "ok", 1: "ok"}

@@ -172,3 +172,31 @@ def test_message_above_only_the_receivers_maximum() -> None:
         receiver_limit, 2, timeout=60, rank_options={1: {"max_message_size": 1024 * 1024}}
     )
     assert results == {0: "ok", 1: "served"}
+
+
+def crossing_transfers(rank: int, world_size: int) -> str:
+    peer = f"worker{1 - rank}"
+    gen = torch.Generator().manual_seed(rank)
+    sent = [
+        torch.randint(0, 256, (8 * 1024 * 1024 + i,), dtype=torch.uint8, generator=gen)
+        for i in range(4)
+    ]
+    small = [torch.randn(100) for _ in range(20)]
+    futures = [rpc.rpc_async(peer, echo, (t,)) for t in sent]
+    small_futures = [rpc.rpc_async(peer, echo, (t,)) for t in small]  # queued behind big ones
+    for t, fut in zip(sent, futures, strict=True):
+        assert torch.equal(fut.wait(), t)
+    for t, fut in zip(small, small_futures, strict=True):
+        assert torch.equal(fut.wait(), t)
+    return "ok"
+
+
+@pytest.mark.parametrize("unix_sockets", ["1", "0"], ids=["unix", "tcp"])
+def test_large_transfers_crossing_both_ways(unix_sockets: str) -> None:
+    """Both workers at once send four 8 MiB tensors and 20 small ones to the other and get
+    them all back exactly (partial writes, queued frames, both directions busy), over Unix
+    sockets and over TCP."""
+    results = run_workers(
+        crossing_transfers, 2, timeout=60, env={"DISTGRAD_UNIX_SOCKETS": unix_sockets}
+    )
+    assert results == {0: "ok", 1: "ok"}

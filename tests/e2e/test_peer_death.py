@@ -153,3 +153,42 @@ def test_silent_peer_fails_pending_calls_within_the_heartbeat_bound() -> None:
     )
     assert results[1] == Died(-signal.SIGKILL)
     assert set(results[0]) == {"noticed", "shutdown"}
+
+
+def busy_python(seconds: float) -> int:
+    """Pure-Python work holding the GIL (in 5 ms slices) for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+    return n
+
+
+def healthy_but_slow(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    # calls twice as long as peer_timeout, sleeping or computing (while this worker computes
+    # too), complete
+    futures = [rpc.rpc_async("worker1", slow, (2.0,), timeout=0)]
+    futures += [rpc.rpc_async("worker1", busy_python, (2.0,), timeout=0) for _ in range(2)]
+    busy_python(2.0)
+    assert futures[0].wait() == "slept"
+    assert all(f.wait() > 0 for f in futures[1:])
+    # an idle connection is kept alive by heartbeats
+    time.sleep(2.0)
+    assert rpc.rpc_sync("worker1", slow, (0.0,)) == "slept"
+    stats = rpc._get_current_rpc_agent().statistics()
+    assert stats.dead_peers == (), stats
+    return "ok"
+
+
+def test_slow_and_idle_peers_are_not_declared_dead() -> None:
+    """With peer_timeout=1.0, calls running 2 s (sleeping or holding the GIL) with both
+    workers busy, and a connection idle for 2 s, do not make a peer look dead."""
+    results = run_workers(
+        healthy_but_slow,
+        2,
+        timeout=60,
+        options={"heartbeat_interval": 0.2, "peer_timeout": 1.0},
+    )
+    assert results == {0: "ok", 1: "served"}
