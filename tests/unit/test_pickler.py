@@ -352,3 +352,49 @@ def test_reentrant_dump_from_a_reducer() -> None:
 
 def _nested_rebuild(meta: bytes, buffers: list[bytes], flags: int) -> torch.Tensor:
     return loads(meta, buffers, flags)  # type: ignore[no-any-return]
+
+
+# -- odd strides -------------------------------------------------------------------------------
+
+
+def test_offset_transposed_window_keeps_its_strides() -> None:
+    """A transposed window with a storage offset and gaps is sent as its span, strides kept."""
+    base = torch.randn(64, 48)
+    view = base[1:, 2:].t()
+    assert view.storage_offset() == 50
+    y, nbytes = wire(view)
+    assert torch.equal(y, view)
+    assert y.stride() == view.stride() == (1, 48)
+    assert view.numel() * 4 < nbytes <= 2 * view.numel() * 4
+
+
+def test_zero_dim_view_into_a_big_tensor() -> None:
+    """One element of a big tensor (a 0-dim view) sends one element."""
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    y, nbytes = wire(big[500_000])
+    assert y.dim() == 0 and y.item() == 500_000.0
+    assert nbytes == 4
+
+
+def test_overlapping_strides() -> None:
+    """A view whose elements overlap in memory (as_strided) comes back with its values."""
+    x = torch.arange(10.0).as_strided((5, 3), (1, 1))
+    y = roundtrip(x)
+    assert torch.equal(y, x)
+
+
+def test_size_one_dimensions_with_odd_strides() -> None:
+    """Size-1 dimensions with arbitrary strides (still contiguous) round-trip."""
+    x = torch.empty_strided((3, 1, 2), (2, 1000, 1)).copy_(torch.randn(3, 1, 2))
+    assert x.is_contiguous()
+    y, nbytes = wire(x)
+    assert torch.equal(y, x)
+    assert nbytes == 24
+
+
+def test_empty_tensor_with_odd_strides() -> None:
+    """An empty view of a big tensor sends nothing and keeps its shape."""
+    big = torch.randn(100, 100)
+    view = big[:, 5:5]
+    y, nbytes = wire(view)
+    assert y.shape == (100, 0) and nbytes == 0
