@@ -156,3 +156,23 @@ def test_calls_from_many_threads_and_slow_callbacks() -> None:
     """8 threads on each of 2 workers make 40 interleaved sync/async calls each, all with
     their own results; a callback blocked on a future does not hold up later calls."""
     assert run_workers(from_many_threads, 2, timeout=60) == {0: "ok", 1: "ok"}
+
+
+def wait_all_on_error(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    with pytest.raises(ValueError, match="inside the block"), rpc._wait_all():
+        fut = rpc.rpc_async("worker1", slow_identity, ("late", 0.5))
+        raise ValueError("inside the block")
+    assert fut.done(), "_wait_all did not wait for its futures when the block raised"
+    return "ok"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="differs from the reference: rpc._wait_all() waits for its futures only when the "
+    "block exits normally (torch waits in a finally clause)",
+)
+def test_wait_all_waits_even_when_the_block_raises() -> None:
+    """Like torch's, ``_wait_all`` waits for the block's futures also when the block raises."""
+    assert run_workers(wait_all_on_error, 2, timeout=60) == {0: "ok", 1: "served"}
