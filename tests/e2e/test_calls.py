@@ -168,11 +168,6 @@ def wait_all_on_error(rank: int, world_size: int) -> str:
     return "ok"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="differs from the reference: rpc._wait_all() waits for its futures only when the "
-    "block exits normally (torch waits in a finally clause)",
-)
 def test_wait_all_waits_even_when_the_block_raises() -> None:
     """Like torch's, ``_wait_all`` waits for the block's futures also when the block raises."""
     assert run_workers(wait_all_on_error, 2, timeout=60) == {0: "ok", 1: "served"}

@@ -256,10 +256,10 @@ def wait_all() -> Iterator[None]:
     _wait_all_state.futures = []
     try:
         yield
-    finally:
+    finally:  # as the reference: the futures are waited for even when the block raises
         futures = _wait_all_state.futures
         _wait_all_state.futures = previous
-    torch.futures.wait_all(futures)
+        torch.futures.wait_all(futures)
 
 
 def get_rpc_timeout() -> float:
