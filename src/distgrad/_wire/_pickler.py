@@ -249,6 +249,14 @@ class _TablePickler(pickle.Pickler):
     dispatch_table = _TABLE_DISPATCH
 
 
+def _fresh(
+    kind: type[pickle.Pickler],
+) -> tuple[io.BytesIO, list[pickle.PickleBuffer], pickle.Pickler]:
+    file = io.BytesIO()
+    buffers: list[pickle.PickleBuffer] = []
+    return file, buffers, kind(file, protocol=5, buffer_callback=buffers.append)
+
+
 class _ThreadPicklers(threading.local):
     """Picklers per thread, reused across messages: constructing one costs more than a small
     message's whole pickling. Re-entrant use on one thread falls back to fresh ones."""
@@ -263,6 +271,18 @@ class _ThreadPicklers(threading.local):
             self.table_file, protocol=5, buffer_callback=self.table_buffers.append
         )
         self.busy = False
+
+    def acquire(
+        self, table: bool
+    ) -> tuple[io.BytesIO, list[pickle.PickleBuffer], pickle.Pickler, bool]:
+        """This thread's pickler of one kind, marked busy, or a fresh one when it is in use;
+        the last item says whether it is the cached one (then :meth:`release` it)."""
+        if self.busy:
+            return (*_fresh(_TablePickler if table else _PayloadPickler), False)
+        self.busy = True
+        if table:
+            return self.table_file, self.table_buffers, self.table, True
+        return self.file, self.buffers, self.payload, True
 
     def release(self) -> None:
         """Make the cached picklers ready for the next message on this thread."""
@@ -322,14 +342,7 @@ def encode(
     cache = _cached
     if make_ext is None:
         return _encode_inline(obj, cache, device_check)
-    reuse = not cache.busy
-    buffers: list[pickle.PickleBuffer]
-    if reuse:
-        cache.busy = True
-        file, buffers, pickler = cache.file, cache.buffers, cache.payload
-    else:
-        file, buffers = io.BytesIO(), []
-        pickler = _PayloadPickler(file, protocol=5, buffer_callback=buffers.append)
+    file, buffers, pickler, reuse = cache.acquire(table=False)
     tensors: list[torch.Tensor] = []
     previous = getattr(_policy, "table", None)
     _policy.table = tensors
@@ -340,11 +353,11 @@ def encode(
         ext = make_ext(tensors) if make_ext is not None else None
         if not tensors and ext is None:
             return Encoded(payload, payload_buffers, tensors, 0)
-        if reuse:
+        table: pickle.Pickler
+        if reuse:  # this thread's table pickler comes with its payload pickler
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
-            table_file, table_buffers = io.BytesIO(), []
-            table = _TablePickler(table_file, protocol=5, buffer_callback=table_buffers.append)
+            table_file, table_buffers, table = _fresh(_TablePickler)
         _policy.device_check = device_check
         table.dump((ext, tensors))
         # the table is read first, so its buffers go first
@@ -359,14 +372,7 @@ def encode(
 
 
 def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
-    reuse = not cache.busy
-    buffers: list[pickle.PickleBuffer]
-    if reuse:
-        cache.busy = True
-        file, buffers, pickler = cache.table_file, cache.table_buffers, cache.table
-    else:
-        file, buffers = io.BytesIO(), []
-        pickler = _TablePickler(file, protocol=5, buffer_callback=buffers.append)
+    file, buffers, pickler, reuse = cache.acquire(table=True)
     _policy.device_check = device_check
     try:
         pickler.dump(obj)
