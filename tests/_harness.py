@@ -114,9 +114,9 @@ def _child(
             sys.path.insert(0, path)
     initialized = False
     try:
-        import distgrad.rpc as rpc
-
         if init:
+            import distgrad.rpc as rpc
+
             opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **options)
             rpc.init_rpc(
                 f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts

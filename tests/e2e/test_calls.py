@@ -106,13 +106,15 @@ def self_calls(rank: int, world_size: int) -> str:
     gathered = rpc.api._all_gather(rank * 10)
     assert gathered == {"worker0": 0, "worker1": 10}, gathered
     rpc.api._barrier(["worker0", "worker1"])
-    return "ok"
+    return from_many_threads(rank, world_size)
 
 
 def test_self_calls_copies_wait_all_and_callbacks() -> None:
     """RPC to self is a real RPC (copied arguments, another thread); 50 concurrent calls each
     get their own result; ``_wait_all`` waits for exactly the futures of its block;
-    ``then`` callbacks may make RPCs; ``_all_gather`` and ``_barrier`` work."""
+    ``then`` callbacks may make RPCs; ``_all_gather`` and ``_barrier`` work; 8 threads on each
+    worker make 40 interleaved sync/async calls each, all with their own results; a callback
+    blocked on a future does not hold up later calls."""
     assert run_workers(self_calls, 2, timeout=60) == {0: "ok", 1: "ok"}
 
 
@@ -150,12 +152,6 @@ def from_many_threads(rank: int, world_size: int) -> str:
     assert slow.wait() == 2
     assert took < 2.0, f"calls took {took:.2f}s while a callback was blocked"
     return "ok"
-
-
-def test_calls_from_many_threads_and_slow_callbacks() -> None:
-    """8 threads on each of 2 workers make 40 interleaved sync/async calls each, all with
-    their own results; a callback blocked on a future does not hold up later calls."""
-    assert run_workers(from_many_threads, 2, timeout=60) == {0: "ok", 1: "ok"}
 
 
 def wait_all_on_error(rank: int, world_size: int) -> str:

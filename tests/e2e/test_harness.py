@@ -23,7 +23,7 @@ def report_settings(rank: int, world_size: int, port: int, color: str, shared: i
 
 
 def test_per_rank_kwargs_env_secret_and_ranks_that_may_die() -> None:
-    """Per-rank kwargs and env reach their child, the run's secret is set; a rank that kills
+    """Per-rank kwargs and env reach their child, a given secret is set; a rank that kills
     itself or stops itself is tolerated (and reaped) when it may die."""
     started = time.monotonic()
     results = run_workers(
@@ -35,12 +35,13 @@ def test_per_rank_kwargs_env_secret_and_ranks_that_may_die() -> None:
         rank_env={0: {"ONLY": "zero"}},
         env={"ONLY": "all"},
         may_die={1, 2},
+        secret="given",
         timeout=30,
     )
     assert time.monotonic() - started < 20  # the stopped rank was not waited for
     rank, world_size, color, shared, secret, only = results[0]
     assert (rank, world_size, color, shared, only) == (0, 3, "blue", 7, "zero")
-    assert secret and len(secret) == 32
+    assert secret == "given"
     assert results[1] == Died(-signal.SIGKILL)
     assert results[2] == Died(-signal.SIGKILL)  # stopped, then killed by the harness
 
@@ -49,13 +50,12 @@ def secret_of(rank: int, world_size: int, port: int) -> object:
     return os.environ.get("DISTGRAD_SECRET")
 
 
-def test_each_run_gets_a_fresh_secret_unless_told() -> None:
-    """Two runs get different random secrets; an explicit one is used; None leaves it unset."""
-    first = run_workers(secret_of, 1, init=False)[0]
-    second = run_workers(secret_of, 1, init=False)[0]
-    assert first and second and first != second
-    assert run_workers(secret_of, 1, init=False, secret="fixed")[0] == "fixed"
-    assert run_workers(secret_of, 1, init=False, secret=None)[0] is None
+def test_each_run_gets_a_fresh_secret() -> None:
+    """Without a given secret, each run makes a random one, shared by its ranks."""
+    first = run_workers(secret_of, 2, init=False)
+    second = run_workers(secret_of, 1, init=False)
+    assert first[0] == first[1] and len(first[0]) == 32
+    assert second[0] and second[0] != first[0]
 
 
 def fail_on_rank_1(rank: int, world_size: int, port: int) -> str:

@@ -121,13 +121,18 @@ def async_program(rank: int, world_size: int) -> str:
     assert all(torch.equal(f.wait(), x + 1) for f in futures)
     elapsed = time.monotonic() - started
     assert elapsed < 3.0, f"10 pending async functions took {elapsed:.1f}s"
+    # a re-entrant chain 0 -> 1 -> 0 -> 1 whose hops wait on rpc_async futures, one worker
+    # thread per worker: a waiting hop frees its thread as one in rpc_sync does
+    out = rpc.rpc_sync("worker1", ring_async_hop, (["worker0", "worker1"], x), timeout=10)
+    assert torch.equal(out, x + 3), out
     return "ok"
 
 
 def test_async_execution() -> None:
-    """@async_execution functions reply when their Future completes (chains with nested
-    calls, from rpc_sync and rpc_async, as static/class methods), and do not hold a worker
-    thread while pending."""
+    """With one worker thread per worker: @async_execution functions reply when their Future
+    completes (chains with nested calls, from rpc_sync and rpc_async, as static/class
+    methods) and hold no worker thread while pending; a re-entrant chain whose hops wait on
+    rpc_async futures completes."""
     results = run_workers(
         async_program,
         3,
@@ -135,24 +140,3 @@ def test_async_execution() -> None:
         options={"num_worker_threads": 1},
     )
     assert results == {0: "ok", 1: "served", 2: "served"}
-
-
-def async_hop_program(rank: int, world_size: int) -> str:
-    if rank != 0:
-        return "served"
-    x = torch.zeros(1)
-    out = rpc.rpc_sync("worker1", ring_async_hop, (["worker0", "worker1"], x), timeout=10)
-    assert torch.equal(out, x + 3), out
-    return "ok"
-
-
-def test_nested_hops_waiting_on_rpc_async_futures() -> None:
-    """A re-entrant chain worker0 -> worker1 -> worker0 -> worker1 whose hops wait on
-    ``rpc_async(...).wait()`` completes with one worker thread per worker (as with rpc_sync)."""
-    results = run_workers(
-        async_hop_program,
-        2,
-        timeout=40,
-        options={"num_worker_threads": 1, "rpc_timeout": 3},
-    )
-    assert results == {0: "ok", 1: "served"}

@@ -167,15 +167,15 @@ def busy_python(seconds: float) -> int:
 def healthy_but_slow(rank: int, world_size: int) -> str:
     if rank != 0:
         return "served"
-    # calls twice as long as peer_timeout, sleeping or computing (while this worker computes
-    # too), complete
-    futures = [rpc.rpc_async("worker1", slow, (2.0,), timeout=0)]
-    futures += [rpc.rpc_async("worker1", busy_python, (2.0,), timeout=0) for _ in range(2)]
-    busy_python(2.0)
+    # calls longer than peer_timeout, sleeping or computing (while this worker computes too),
+    # complete
+    futures = [rpc.rpc_async("worker1", slow, (1.6,), timeout=0)]
+    futures += [rpc.rpc_async("worker1", busy_python, (1.6,), timeout=0) for _ in range(2)]
+    busy_python(1.6)
     assert futures[0].wait() == "slept"
     assert all(f.wait() > 0 for f in futures[1:])
     # an idle connection is kept alive by heartbeats
-    time.sleep(2.0)
+    time.sleep(1.6)
     assert rpc.rpc_sync("worker1", slow, (0.0,)) == "slept"
     stats = rpc._get_current_rpc_agent().statistics()
     assert stats.dead_peers == (), stats
@@ -183,8 +183,8 @@ def healthy_but_slow(rank: int, world_size: int) -> str:
 
 
 def test_slow_and_idle_peers_are_not_declared_dead() -> None:
-    """With peer_timeout=1.0, calls running 2 s (sleeping or holding the GIL) with both
-    workers busy, and a connection idle for 2 s, do not make a peer look dead."""
+    """With peer_timeout=1.0, calls running 1.6 s (sleeping or holding the GIL) with both
+    workers busy, and a connection idle for 1.6 s, do not make a peer look dead."""
     results = run_workers(
         healthy_but_slow,
         2,

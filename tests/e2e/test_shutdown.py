@@ -129,7 +129,7 @@ def test_non_graceful_shutdown_returns_at_once() -> None:
 
 def stubborn_program(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 1:
-        time.sleep(3.0)  # does not reach shutdown within worker0's timeout
+        time.sleep(2.0)  # does not reach shutdown within worker0's timeout
         started = time.monotonic()
         with pytest.raises(RuntimeError) as info:
             rpc.shutdown(timeout=2.0)  # worker0 has gone meanwhile

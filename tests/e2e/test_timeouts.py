@@ -41,9 +41,9 @@ def timeout_program(rank: int, world_size: int) -> str:
     peer = "worker1"
     assert rpc.get_rpc_timeout() == 30.0  # from the options
     # per-call timeouts, sync and async
-    took = times_out(lambda: rpc.rpc_sync(peer, sleep_then, (1.5,), timeout=0.3), 300)
+    took = times_out(lambda: rpc.rpc_sync(peer, sleep_then, (1.0,), timeout=0.3), 300)
     assert 0.29 <= took < 1.5, took
-    fut = rpc.rpc_async(peer, sleep_then, (1.5,), timeout=0.4)
+    fut = rpc.rpc_async(peer, sleep_then, (1.0,), timeout=0.4)
     took = times_out(fut.wait, 400)
     assert 0.39 <= took < 1.5, took
     assert fut.done()
@@ -52,29 +52,29 @@ def timeout_program(rank: int, world_size: int) -> str:
     # the default changes for new calls
     rpc._set_rpc_timeout(0.25)
     assert rpc.get_rpc_timeout() == 0.25
-    took = times_out(lambda: rpc.rpc_sync(peer, sleep_then, (1.5,)), 250)
+    took = times_out(lambda: rpc.rpc_sync(peer, sleep_then, (1.0,)), 250)
     assert took < 1.5, took
-    times_out(lambda: rpc.rpc_async(peer, sleep_then, (1.5,)).wait(), 250)
-    times_out(lambda: rpc.rpc_sync(peer, sleep_then, (1.5,), timeout=-1), 250)  # -1 = default
-    # a per-call timeout overrides the default either way
+    times_out(lambda: rpc.rpc_async(peer, sleep_then, (1.0,)).wait(), 250)
+    times_out(lambda: rpc.rpc_sync(peer, sleep_then, (1.0,), timeout=-1), 250)  # -1 = default
+    # a per-call timeout overrides the default either way; timeout=0 means no timeout
+    patient = rpc.rpc_async(peer, sleep_then, (0.5, "patient"), timeout=0)
     assert rpc.rpc_sync(peer, sleep_then, (0.5, "longer"), timeout=5) == "longer"
-    # timeout=0 means no timeout
-    assert rpc.rpc_sync(peer, sleep_then, (0.6, "patient"), timeout=0) == "patient"
-    assert rpc.rpc_async(peer, sleep_then, (0.6, "patient"), timeout=0).wait() == "patient"
+    assert rpc.rpc_sync(peer, sleep_then, (0.5, "patient"), timeout=0) == "patient"
+    assert patient.wait() == "patient"
     rpc._set_rpc_timeout(0)
     assert rpc.get_rpc_timeout() == 0
-    assert rpc.rpc_sync(peer, sleep_then, (0.6, "no default")) == "no default"
+    assert rpc.rpc_sync(peer, sleep_then, (0.5, "no default")) == "no default"
     # an RPC to self times out the same way
     rpc._set_rpc_timeout(60)
-    times_out(lambda: rpc.rpc_sync("worker0", sleep_then, (1.0,), timeout=0.2), 200)
+    times_out(lambda: rpc.rpc_sync("worker0", sleep_then, (0.6,), timeout=0.2), 200)
     # a call made before the default changed keeps its own timeout
-    early = rpc.rpc_async(peer, sleep_then, (1.0, "early"))  # 60 s
+    early = rpc.rpc_async(peer, sleep_then, (0.5, "early"))  # 60 s
     rpc._set_rpc_timeout(0.1)
     assert early.wait() == "early"
     rpc._set_rpc_timeout(60)
     # many concurrent timeouts all fire, each near its own deadline
     started = time.monotonic()
-    futures = [rpc.rpc_async(peer, sleep_then, (1.2,), timeout=0.1 * (i + 1)) for i in range(5)]
+    futures = [rpc.rpc_async(peer, sleep_then, (0.8,), timeout=0.1 * (i + 1)) for i in range(5)]
     for i, f in enumerate(futures):
         with pytest.raises(RuntimeError, match=timeout_error(100 * (i + 1))):
             f.wait()
