@@ -506,6 +506,11 @@ class RpcAgent(FrameHandler):
             return
         self._stopped = True
         self._running = False
+        if graceful:
+            # Requests being served finish and write their responses before the connections
+            # close (a follower leaving shutdown's last all-gather must not close the connection
+            # before its answer to the leader's broadcast has gone out).
+            self._workers.stop()
         if self._transport is not None:
             self._transport.close(graceful)
         error = RpcShutdownError("RPC agent was shut down before the call completed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -104,7 +105,7 @@ class ThreadPool:
                     self._idle += 1
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Let queued work finish, then end the threads (waits at most ``timeout``)."""
+        """Let queued work finish, then end the threads (waits at most ``timeout`` in all)."""
         with self._lock:
             if self._stopped:
                 return
@@ -113,6 +114,7 @@ class ThreadPool:
         for _ in threads:
             self._queue.put(None)
         current = threading.current_thread()
+        deadline = time.monotonic() + timeout
         for thread in threads:
             if thread is not current:
-                thread.join(timeout)
+                thread.join(max(0.0, deadline - time.monotonic()))
