@@ -52,7 +52,7 @@ from .._transport._transport import (
 from .._wire._frames import Frame, Kind, encode_frame
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension
-from ._calls import RpcFuture, _Call, is_builtin
+from ._calls import RpcFuture, _Call, is_builtin, set_future_error
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload
@@ -290,19 +290,19 @@ class RpcAgent(FrameHandler):
                     self.get_worker_info(dst), func, args, {}, 0, internal=True
                 )
             except BaseException as exc:  # the peer is gone or this agent is stopping
-                result.set_exception(exc)
+                set_future_error(result, exc)
                 return
 
             def done(answered: torch.futures.Future[Any]) -> None:
                 try:
                     value = answered.wait()
                 except (PeerFailureError, RpcShutdownError) as exc:
-                    result.set_exception(exc)
+                    set_future_error(result, exc)
                 except BaseException as exc:
                     if left > 1:
                         attempt(left - 1)
                     else:
-                        result.set_exception(exc)
+                        set_future_error(result, exc)
                 else:
                     result.set_result(value)
 
@@ -359,7 +359,7 @@ class RpcAgent(FrameHandler):
         try:
             result = self._result(call)
         except BaseException as exc:
-            future.set_exception(exc)
+            set_future_error(future, exc)
         else:
             future.set_result(result)
 

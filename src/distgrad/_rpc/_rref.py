@@ -23,6 +23,7 @@ import torch
 from .._errors import RpcTimeoutError
 from .._wire._pickler import register_reducer
 from ._agent import RpcAgent, current_agent
+from ._calls import fresh_copy, set_future_error
 from ._functions import async_execution
 from ._rref_context import (
     RREF_TIMED_OUT,
@@ -182,8 +183,8 @@ class RRef(Generic[T]):
     def _check_usable(self) -> None:
         if self._timed_out:
             raise RuntimeError(RREF_TIMED_OUT)
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # a copy: the stored one must not collect our frames
+            raise fresh_copy(self._error)
 
     # -- introspection ---------------------------------------------------------------------------
     def is_owner(self) -> bool:
@@ -398,17 +399,14 @@ def create_remote(
             dst, _remote_exec, (rref_id, rref_id, func, args, kwargs), {}, timeout, force=force
         )
 
-        def created_here(done: torch.futures.Future[Any]) -> None:
-            try:
-                done.wait()
-            except RpcTimeoutError:
+        def created_here(error: BaseException | None) -> None:
+            if isinstance(error, RpcTimeoutError):
                 value.timed_out = True
-            except BaseException as exc:
-                value.set_error(exc)
+            elif error is not None:
+                value.set_error(error)
             ctx.del_forks([(rref_id, rref_id)])
 
-        future.add_done_callback(created_here)
-        rref._creation = future
+        rref._creation = _after(future, created_here)
         return rref
     fork_id = ctx.new_id()
     rref = RRef._new_user(ctx, rref_id, fork_id, dst)
@@ -417,17 +415,31 @@ def create_remote(
         dst, _remote_exec, (rref_id, fork_id, func, args, kwargs), {}, timeout, force=force
     )
 
-    def created(done: torch.futures.Future[Any]) -> None:
+    rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
+    return rref
+
+
+def _after(
+    future: torch.futures.Future[Any], settle: Callable[[BaseException | None], None]
+) -> torch.futures.Future[Any]:
+    """The creation future ``_get_future()`` returns: it completes like ``future`` (error types
+    kept, which ``then`` would lose), after ``settle`` recorded the outcome on the RRef."""
+    creation: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(answered: torch.futures.Future[Any]) -> None:
         error: BaseException | None = None
         try:
-            done.wait()
+            answered.wait()
         except BaseException as exc:
             error = exc
-        ctx.confirm_user(fork_id, error)
+        settle(error)
+        if error is None:
+            creation.set_result(None)
+        else:
+            set_future_error(creation, error)
 
-    rref._creation = future
-    future.add_done_callback(created)
-    return rref
+    future.add_done_callback(done)
+    return creation
 
 
 # -- handlers (run on the owner) ---------------------------------------------------------------

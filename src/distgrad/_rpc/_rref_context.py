@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._calls import set_future_error
+
 if TYPE_CHECKING:
     from ._agent import RpcAgent
     from ._rref import RRef
@@ -156,7 +158,7 @@ class OwnerValue:
                 value = holder.result()
                 future.set_result(transform(value) if transform is not None else value)
             except BaseException as exc:
-                future.set_exception(exc)
+                set_future_error(future, exc)
 
         self.add_callback(complete)
         return future

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _api
+from ._calls import set_future_error
 from ._functions import async_execution
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def _invoke(
         try:
             result.set_result(done.wait())
         except BaseException as exc:
-            result.set_exception(exc)
+            set_future_error(result, exc)
 
     def call(typed: torch.futures.Future[Any]) -> None:
         try:
@@ -67,7 +68,7 @@ def _invoke(
                 rref.owner(), invoker, args=(rref, func_name, args, kwargs), timeout=timeout
             )
         except BaseException as exc:
-            result.set_exception(exc)
+            set_future_error(result, exc)
             return
         future.add_done_callback(complete)
 
