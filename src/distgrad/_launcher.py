@@ -374,11 +374,13 @@ class _Launcher:
         return self.status()
 
     def status(self) -> int:
-        if self.signal is not None:
-            return 128 + self.signal
+        """The first cause wins: a worker's failure (recorded only before any signal), else the
+        signal the launcher received."""
         if self.failure is not None:
             assert self.failure.returncode is not None
             return _exit_status(self.failure.returncode)
+        if self.signal is not None:
+            return 128 + self.signal
         return 0
 
     def kill_everything(self) -> None:
