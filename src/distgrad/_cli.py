@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from . import _launcher
+
 __all__ = ["main"]
 
 
@@ -136,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=20, help="distributed matmul steps")
     demo.add_argument("--size", type=int, default=512, help="matrix size")
     demo.add_argument("--timeout", type=float, default=300.0, help="give up after (s)")
+    _launcher.add_parser(sub)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.command == "demo":
         return _demo(args)
+    if args.command == "run":
+        return _launcher.run(args)
     return 2
