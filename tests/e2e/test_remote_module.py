@@ -94,7 +94,19 @@ def echo(value: Any) -> Any:
 
 
 def forward_result(module: RemoteModule, x: torch.Tensor) -> torch.Tensor:
+    assert isinstance(module, RemoteModule)
     return module(x)[0]  # type: ignore[no-any-return]
+
+
+class NamedRemote(RemoteModule):
+    """A subclass: it pickles through RPC as itself."""
+
+    def name(self) -> str:
+        return f"named on {self.on}"
+
+
+def subclass_name(module: NamedRemote) -> str:
+    return module.name()
 
 
 # -- the programs ----------------------------------------------------------------------------------
@@ -290,11 +302,15 @@ def sharing_program(rank: int, world_size: int) -> str:
     )
     torch.testing.assert_close(rpc.rpc_sync("worker2", forward_result, (made_there, x)), out)
     assert rpc.rpc_sync("worker1", owner_calls, (remote.module_rref,)) == calls + 2
+    # a subclass travels as itself
+    named = NamedRemote("worker1", TwoLayers, (5,))
+    assert rpc.rpc_sync("worker2", subclass_name, (named,)) == "named on worker1"
+    torch.testing.assert_close(rpc.rpc_sync("worker2", forward_result, (named, x)), out)
     return "ok"
 
 
 def test_sent_through_rpc_and_init_from_module_rref() -> None:
     """A RemoteModule sent through RPC to a third worker runs there, gradients included; sent
     to its owner and back it still works; init_from_module_rref shares the module, here and
-    when called on another worker."""
+    when called on another worker; a subclass travels as itself."""
     assert run_workers(sharing_program, 3, timeout=90)[0] == "ok"
