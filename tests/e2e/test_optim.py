@@ -41,6 +41,10 @@ def scale_by(param_rref: rpc.RRef[nn.Parameter], h: torch.Tensor) -> torch.Tenso
     return h * param_rref.local_value()
 
 
+def grad_of(rref: rpc.RRef[nn.Parameter]) -> torch.Tensor | None:
+    return rref.local_value().grad
+
+
 def fetch_all(rrefs: list[rpc.RRef[Any]]) -> list[torch.Tensor]:
     return [r.to_here().detach().clone() for r in rrefs]
 
@@ -296,6 +300,23 @@ def errors_program(rank: int, world_size: int) -> str:
         RuntimeError, match=re.escape("Could not find autograd context with id: 424242")
     ):
         opt.step(424242)
+    # .grad after a step holds the context's gradient (as the reference's _LocalOptimizer); a
+    # parameter without a gradient in the stepped context is not stepped with an old one
+    sgd = DistributedOptimizer(torch.optim.SGD, [p1, p2], lr=0.1)
+    for uses_p2 in (True, False):
+        with dist_autograd.context() as cid:
+            loss = (rpc.rpc_sync("worker1", scale_by, (p1, torch.ones(3))) * 2).sum()
+            if uses_p2:
+                loss = loss + rpc.rpc_sync("worker2", scale_by, (p2, torch.ones(3))).sum()
+            dist_autograd.backward(cid, [loss])
+            sgd.step(cid)
+        torch.testing.assert_close(rpc.rpc_sync("worker1", grad_of, (p1,)), torch.full((3,), 2.0))
+        if uses_p2:
+            torch.testing.assert_close(rpc.rpc_sync("worker2", grad_of, (p2,)), torch.ones(3))
+        else:
+            assert rpc.rpc_sync("worker2", grad_of, (p2,)) is None
+    torch.testing.assert_close(p1.to_here(), torch.full((3,), 0.6))
+    torch.testing.assert_close(p2.to_here(), torch.full((3,), 0.9))  # stepped once, not twice
     # an empty parameter list: nothing to create, nothing to step (as the reference)
     empty = DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
     assert empty.remote_optimizers == []
@@ -303,7 +324,8 @@ def errors_program(rank: int, world_size: int) -> str:
     return "ok"
 
 
-def test_errors_propagate_with_type_and_message() -> None:
+def test_errors_propagate_and_grad_semantics() -> None:
     """Constructor and step errors of the owners' optimizers arrive with their type and message
-    (the last one when several fail); an unknown context id is refused locally."""
+    (the last one when several fail); an unknown context id is refused locally; .grad after a
+    step holds the context's gradient, and a stale one is never applied again."""
     assert run_workers(errors_program, 3, timeout=60)[0] == "ok"
