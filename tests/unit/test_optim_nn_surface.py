@@ -1,7 +1,12 @@
 """Unit tests of the parts of RemoteModule and DistributedOptimizer that need no worker:
-remote_device parsing, the not-initialized error, the public names."""
+remote_device parsing, the not-initialized error, the public names, the layering."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,3 +55,22 @@ def test_public_names() -> None:
     assert distgrad.optim.DistributedOptimizer.__module__ == "distgrad.optim"
     assert distgrad.nn.__all__ == ["RemoteModule"]
     assert distgrad.optim.__all__ == ["DistributedOptimizer"]
+
+
+def test_rpc_and_autograd_do_not_import_layer_five() -> None:
+    """Layering: importing the RPC and autograd layers loads neither optim nor nn."""
+    code = (
+        "import sys, distgrad.rpc, distgrad.autograd; "
+        "print(sorted(m for m in sys.modules if m.startswith(('distgrad._optim', "
+        "'distgrad._nn', 'distgrad.optim', 'distgrad.nn'))))"
+    )
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": src},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"
