@@ -25,7 +25,8 @@ from ._options import (
     construct_rpc_backend_options,
     is_backend_type,
 )
-from ._rref import RRef, create_remote
+from ._remote import create_remote
+from ._rref import RRef
 from ._worker_info import WorkerInfo, validate_worker_name
 
 __all__ = [

@@ -23,7 +23,7 @@ import torch
 from .._errors import RpcTimeoutError
 from .._wire._pickler import register_reducer
 from ._agent import RpcAgent, current_agent
-from ._calls import fresh_copy, set_future_error
+from ._calls import fresh_copy
 from ._functions import async_execution
 from ._rref_context import (
     RREF_TIMED_OUT,
@@ -37,7 +37,7 @@ from ._worker_info import WorkerInfo
 if TYPE_CHECKING:
     from ._rref_proxy import RRefProxy
 
-__all__ = ["RRef", "create_remote", "set_dist_backward"]
+__all__ = ["RRef", "set_dist_backward"]
 
 T = TypeVar("T")
 
@@ -375,73 +375,6 @@ def _rebuild_rref(
 register_reducer(RRef, _reduce_rref)
 
 
-# -- remote() ----------------------------------------------------------------------------------
-def create_remote(
-    agent: RpcAgent,
-    dst: WorkerInfo,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    timeout: float,
-    force: bool,
-) -> RRef[Any]:
-    """``rpc.remote``: an RRef at once; the value is created on ``dst``."""
-    ctx = agent.rrefs
-    rref_id = ctx.new_id()
-    if dst.id == ctx.worker_id:
-        # The owner is here: its handle now, the value from a real call to self. The call's
-        # own fork (the RRef id) keeps the value registered until the call is done.
-        value = OwnerValue()
-        ctx.keep_owner(rref_id, value)
-        ctx.add_fork(rref_id, rref_id)
-        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
-        future = agent.call_async(
-            dst, _remote_exec, (rref_id, rref_id, func, args, kwargs), {}, timeout, force=force
-        )
-
-        def created_here(error: BaseException | None) -> None:
-            if isinstance(error, RpcTimeoutError):
-                value.timed_out = True
-            elif error is not None:
-                value.set_error(error)
-            ctx.del_forks([(rref_id, rref_id)])
-
-        rref._creation = _after(future, created_here)
-        return rref
-    fork_id = ctx.new_id()
-    rref = RRef._new_user(ctx, rref_id, fork_id, dst)
-    ctx.add_pending_user(fork_id, rref)
-    future = agent.call_async(
-        dst, _remote_exec, (rref_id, fork_id, func, args, kwargs), {}, timeout, force=force
-    )
-
-    rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
-    return rref
-
-
-def _after(
-    future: torch.futures.Future[Any], settle: Callable[[BaseException | None], None]
-) -> torch.futures.Future[Any]:
-    """The creation future ``_get_future()`` returns: it completes like ``future`` (error types
-    kept, which ``then`` would lose), after ``settle`` recorded the outcome on the RRef."""
-    creation: torch.futures.Future[Any] = torch.futures.Future()
-
-    def done(answered: torch.futures.Future[Any]) -> None:
-        error: BaseException | None = None
-        try:
-            answered.wait()
-        except BaseException as exc:
-            error = exc
-        settle(error)
-        if error is None:
-            creation.set_result(None)
-        else:
-            set_future_error(creation, error)
-
-    future.add_done_callback(done)
-    return creation
-
-
 # -- handlers (run on the owner) ---------------------------------------------------------------
 def _owner_value(rref_id: GloballyUniqueId) -> OwnerValue:
     return _agent_or_raise().rrefs.get_or_create_owner(rref_id)
@@ -451,47 +384,6 @@ def _done_future() -> torch.futures.Future[None]:
     future: torch.futures.Future[None] = torch.futures.Future()
     future.set_result(None)
     return future
-
-
-@async_execution
-def _remote_exec(
-    rref_id: GloballyUniqueId,
-    fork_id: GloballyUniqueId,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> torch.futures.Future[None]:
-    """Create the value of a ``remote()`` call; answered once it is set (or failed: the
-    error is the value's, raised where it is used, as in the reference)."""
-    ctx = _agent_or_raise().rrefs
-    value = ctx.get_or_create_owner(rref_id)
-    if fork_id != rref_id:
-        ctx.add_fork(rref_id, fork_id)
-    try:
-        if getattr(func, "_wrapped_async_rpc_function", None) is None:
-            value.set_value(func(*args, **kwargs))
-            return _done_future()
-        result = func(*args, **kwargs)
-        if not isinstance(result, (torch.futures.Future, torch._C.Future)):
-            kind = type(result)
-            raise RuntimeError(
-                "Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
-            )
-    except BaseException as exc:
-        value.set_error(exc)
-        return _done_future()
-    replied: torch.futures.Future[None] = torch.futures.Future()
-
-    def finish(done: torch.futures.Future[Any]) -> None:
-        try:
-            value.set_value(done.wait())
-        except BaseException as exc:
-            value.set_error(exc)
-        replied.set_result(None)
-
-    result.add_done_callback(finish)
-    return replied
 
 
 @async_execution
