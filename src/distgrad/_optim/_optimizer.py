@@ -16,6 +16,7 @@ details).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -134,7 +135,7 @@ class DistributedOptimizer:
     def __init__(
         self,
         optimizer_class: type[torch.optim.Optimizer],
-        params_rref: list[rpc.RRef[Any]],
+        params_rref: Iterable[rpc.RRef[Any]],
         *args: Any,
         **kwargs: Any,
     ) -> None:
