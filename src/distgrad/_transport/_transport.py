@@ -17,6 +17,7 @@ calls waiting on it fail, but the peer is not condemned.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -39,6 +40,12 @@ __all__ = ["PeerAddress", "Transport", "TransportConfig", "TransportStatistics",
 _log = logging.getLogger("distgrad.transport")
 _MAX_PENDING_HANDSHAKES = 128
 _SOCKET_BUFFER = 4 * 1024 * 1024
+# Connect errors that say nothing about the peer being gone (a refused or unreachable peer is
+# gone: after rendezvous every worker listens); retried after these pauses, then fatal.
+_TRANSIENT_CONNECT_ERRORS = frozenset(
+    {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
+)
+_CONNECT_RETRY_DELAYS = (0.05, 0.2, 0.5)
 
 
 def host_identity() -> str:
@@ -216,6 +223,33 @@ class Transport:
             self._out[rank] = conn
             return conn
 
+    def _dial(self, addr: PeerAddress, local: bool) -> socket.socket:
+        """Connect, retrying errors that say nothing about the peer being gone."""
+        for delay in _CONNECT_RETRY_DELAYS:
+            try:
+                return self._dial_once(addr, local)
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT_CONNECT_ERRORS:
+                    raise
+                time.sleep(delay)  # e.g. a full accept backlog
+        return self._dial_once(addr, local)
+
+    def _dial_once(self, addr: PeerAddress, local: bool) -> socket.socket:
+        timeout = self.config.connect_timeout
+        if local:
+            assert addr.unix is not None
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(addr.unix)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection((addr.host, addr.port), timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
     def _open(self, rank: int) -> Connection:
         addr = self._peers.get(rank)
         label = self._label(rank)
@@ -224,14 +258,7 @@ class Transport:
         cfg = self.config
         local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
         try:
-            if local:
-                assert addr.unix is not None
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(cfg.connect_timeout)
-                sock.connect(addr.unix)
-            else:
-                sock = socket.create_connection((addr.host, addr.port), cfg.connect_timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self._dial(addr, local)
         except OSError as exc:
             error = PeerFailureError(f"could not connect to {label}: {exc}", label)
             self._dead.setdefault(rank, error)
