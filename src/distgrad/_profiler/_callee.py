@@ -11,6 +11,7 @@ profiler is on), and their callees' events come back nested under their keys.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,7 +24,10 @@ from .._rpc._agent import current_agent
 from .._rpc._calls import is_builtin
 from ._records import CallRecord, Event, RemoteProfile, Session, pop, push
 
-__all__ = ["serve", "serve_async"]
+__all__ = ["SETTLE_GRACE_S", "serve", "serve_async"]
+
+#: how long a profiled callee waits for the answers to calls it made before it answers
+SETTLE_GRACE_S = 0.2
 
 _autograd: Any = torch.autograd  # the profiler's bindings are untyped
 _enable_legacy: Callable[[Any], None] = _autograd._enable_profiler_legacy
@@ -106,6 +110,11 @@ class _Serving:
         if self.enabled:
             self.records = _disable_legacy()
 
+    def settle(self, then: Callable[[], None]) -> None:
+        """Run ``then`` once the calls made for this request have answered (bounded)."""
+        self.stop_local()
+        self.session.when_settled(then, SETTLE_GRACE_S)
+
     def finish(self) -> RemoteProfile:
         self.stop_local()
         self.session.close()
@@ -144,6 +153,9 @@ def serve(request: Any, func: Any, args: Any, kwargs: Any) -> Any:
         serving.finish()
         _mark_builtin_error(func, exc)
         raise
+    settled = threading.Event()
+    serving.settle(settled.set)
+    settled.wait()
     return result, serving.finish()
 
 
@@ -170,7 +182,7 @@ def serve_async(request: Any, func: Any, args: Any, kwargs: Any) -> torch.future
             serving.finish()
             answer.set_exception(exc)
             return
-        answer.set_result((value, serving.finish()))
+        serving.settle(lambda: answer.set_result((value, serving.finish())))
 
     future.add_done_callback(done)
     return answer

@@ -136,6 +136,8 @@ def call_sync(
     key, owns = _take_key(RPCExecMode.SYNC, func, me, dst)
     session = current_session()
     span = _Range(key) if owns else None
+    if session is not None:
+        session.begin_call()
     try:
         t0 = time.time_ns()
         result, remote = send(
@@ -148,10 +150,12 @@ def call_sync(
             internal=internal,
         )
         t3 = time.time_ns()
+        _receive(session, key, me, dst, t0, t3, remote)
     finally:
         if span is not None:
             span.end()
-    _receive(session, key, me, dst, t0, t3, remote)
+        if session is not None:
+            session.end_call()
     return result
 
 
@@ -169,6 +173,8 @@ def call_async(
     key, owns = _take_key(RPCExecMode.ASYNC, func, me, dst)
     session = current_session()
     span = _Range(key) if owns else None
+    if session is not None:
+        session.begin_call()
     t0 = time.time_ns()
     try:
         inner = send(
@@ -183,6 +189,8 @@ def call_async(
     except BaseException:
         if span is not None:
             span.end()
+        if session is not None:
+            session.end_call()
         raise
     outer = type(inner)()  # the agent's future type (its wait() frees a pool slot)
     if hasattr(inner, "_pool"):
@@ -196,10 +204,14 @@ def call_async(
         except BaseException as exc:
             if span is not None:
                 span.end()
+            if session is not None:
+                session.end_call()
             outer.set_exception(exc)
             return
         if span is not None:  # the range ends before the caller's future completes
             span.end()
+        if session is not None:
+            session.end_call()
         outer.set_result(result)
 
     inner.add_done_callback(done)

@@ -9,6 +9,7 @@ shifted by the estimated clock offset between the two (see ``_clock``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -93,6 +94,44 @@ class Session:
         self.calls: list[CallRecord] = []
         self.names: dict[int, str] = {}
         self.open = True
+        self.pending = 0  # calls made under this session still waiting for their response
+        self._settled: list[Callable[[], None]] = []
+
+    def begin_call(self) -> None:
+        with self.lock:
+            self.pending += 1
+
+    def end_call(self) -> None:
+        with self.lock:
+            self.pending -= 1
+            ready = self._settled if self.pending == 0 else []
+            if ready:
+                self._settled = []
+        for callback in ready:
+            callback()
+
+    def when_settled(self, callback: Callable[[], None], grace: float) -> None:
+        """Run ``callback`` (once) when no call made under the session is pending, or after
+        ``grace`` seconds: a callee answers once the calls it made have answered, so their
+        events come back with its own, but never waits long (a call it made may depend on
+        its answer)."""
+        done = threading.Event()
+
+        def once() -> None:
+            if not done.is_set():
+                done.set()
+                callback()
+
+        timer = threading.Timer(grace, once)
+        timer.daemon = True
+        with self.lock:
+            waiting = self.pending > 0
+            if waiting:
+                self._settled += [timer.cancel, once]
+        if not waiting:
+            once()
+            return
+        timer.start()  # (cancelled before it starts: it never runs)
 
     def add(self, call: CallRecord, events: list[Event], nested: list[CallRecord]) -> None:
         with self.lock:

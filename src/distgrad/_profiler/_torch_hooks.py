@@ -65,6 +65,7 @@ def _function_event(event: Event, base_ns: int, index: int) -> Any:
         id=index,
         name=event.name,
         thread=event.thread,
+        fwd_thread=event.thread,
         start_us=(event.start_ns - base_ns) / 1000,
         end_us=(event.end_ns - base_ns) / 1000,
         input_shapes=event.input_shapes,
@@ -109,7 +110,7 @@ def merge(events: Any, session: Session, base_ns: int) -> Any:
     added = _util.EventList(
         extra, use_device=use_device, profile_memory=profile_memory, with_flops=with_flops
     )
-    added._build_tree()
+    added._populate_cpu_children()  # (no backward stack traces: remote ones have none)
     merged = _util.EventList(
         sorted([*events, *added], key=lambda fe: (fe.time_range.start, -fe.time_range.end)),
         use_device=use_device,
