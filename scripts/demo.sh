@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-pip_install -e ".[uvloop]"
+pip_install -e ".[uvloop,demo]"
 exec "$VENV/bin/python" -m distgrad demo "$@"

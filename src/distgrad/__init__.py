@@ -6,11 +6,10 @@ Layers, each using only the ones listed before it (never the other way round)::
     _transport  connections, handshake, TLS, heartbeats, I/O thread (messages <-> peers)
     _rpc        the agent: rendezvous, calls, futures, shutdown   (calls <-> messages)
     autograd    contexts, send/recv functions, backward engine     (later)
-    optim, nn   DistributedOptimizer, RemoteModule                 (later)
+    optim, nn   DistributedOptimizer, RemoteModule (on rpc, autograd)
 
-The public, torch-shaped modules are :mod:`distgrad.rpc` (and, as they land,
-``distgrad.autograd``, ``distgrad.optim``, ``distgrad.nn``); everything with a leading
-underscore is private.
+The public, torch-shaped modules are :mod:`distgrad.rpc`, :mod:`distgrad.autograd`,
+:mod:`distgrad.optim` and :mod:`distgrad.nn`; everything with a leading underscore is private.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ UNSET_RPC_TIMEOUT: float = -1.0
 DEFAULT_SHUTDOWN_TIMEOUT: float = 0
 
 # --- distgrad's own knobs -------------------------------------------------------------------
-#: Cluster secret for the connection handshake (bytes as UTF-8 text or ``hex:`` prefixed).
+#: Cluster secret for the connection handshake (its UTF-8 bytes are the key).
 ENV_SECRET = "DISTGRAD_SECRET"
 #: Address to listen on for TCP connections from other hosts (default: derived, see rendezvous).
 ENV_LISTEN_ADDR = "DISTGRAD_LISTEN_ADDR"

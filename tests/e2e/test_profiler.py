@@ -85,6 +85,11 @@ def _scenarios(rank: int, world_size: int, trace_path: str) -> dict[str, Any]:
             created = agent.call_async(dst, slow_add, (x,), {})
             scope.end_on(created)
         created.wait()
+    with torch.autograd.profiler.profile() as remote_prof:
+        rref = rpc.remote("worker1", slow_add, (x,))
+        rref.to_here()
+        rref._get_future().wait()  # the creation answered (as the reference's profiling future)
+    out["remote"] = _names(remote_prof.function_events)
     out["autograd"] = _names(prof.function_events)
     out["async_us"] = [
         e.cpu_time_total
@@ -173,6 +178,14 @@ def test_key_scope_names_the_call(results: dict[str, Any]) -> None:
     assert (key, 0, False) in names
     assert (f"{key}#remote_op: aten::add", 1, True) in names
     assert names.count(("rpc_async#slow_add(worker0 -> worker1)", 0, False)) == 1  # the other
+
+
+def test_rpc_remote_is_keyed_rpc_remote(results: dict[str, Any]) -> None:
+    """rpc.remote records rpc_remote#{func} with the callee's ops under it."""
+    key = "rpc_remote#slow_add(worker0 -> worker1)"
+    names = results["remote"]
+    assert names.count((key, 0, False)) == 1
+    assert (f"{key}#remote_op: aten::add", 1, True) in names
 
 
 def test_legacy_profiler_gets_remote_events(results: dict[str, Any]) -> None:

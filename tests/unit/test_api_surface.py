@@ -164,6 +164,13 @@ def test_secret_given_as_text_is_bytes() -> None:
     assert rpc.TensorPipeRpcBackendOptions(secret="s3cret").secret == b"s3cret"
 
 
+@pytest.mark.parametrize("empty", ["", b""])
+def test_empty_secret_is_refused(empty: str | bytes) -> None:
+    """An empty secret is an error, not silently replaced by another source."""
+    with pytest.raises(ValueError, match="secret must not be empty"):
+        rpc.TensorPipeRpcBackendOptions(secret=empty)
+
+
 def test_constants_match_the_reference() -> None:
     """rpc.constants has torch's names and values."""
     c = rpc.constants

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from .._errors import PeerFailureError, RpcShutdownError
 from .._rpc._agent import current_agent
 from ._context import CONTAINER, DistAutogradContext
 from ._engine import BackwardError
@@ -51,28 +50,12 @@ def _send_cleanup(
     agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int
 ) -> None:
     """Best effort, retried: a failure other than a dead peer or a stopped agent is retried."""
-    try:
-        future = agent.call_async(
-            agent.get_worker_info(worker),
-            _cleanup_message,
-            (context_id, told),
-            {},
-            0,
-            internal=True,
-        )
-    except Exception as exc:  # the peer is gone or the agent is stopping
-        _log.debug("context %s: cleanup to worker %s not sent: %s", context_id, worker, exc)
-        return
+    future = agent.send_with_retries(worker, _cleanup_message, (context_id, told), attempts)
 
     def done(result: torch.futures.Future[Any]) -> None:
         try:
             result.wait()
-        except (PeerFailureError, RpcShutdownError) as exc:
-            _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
         except Exception as exc:
-            if attempts > 1:
-                _send_cleanup(agent, worker, context_id, told, attempts - 1)
-            else:
-                _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
+            _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
 
     future.add_done_callback(done)

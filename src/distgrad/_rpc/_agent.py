@@ -20,11 +20,12 @@ message's tensor table, together with an ``ext`` object that belongs to the laye
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,10 +52,11 @@ from .._transport._transport import (
 from .._wire._frames import Frame, Kind, encode_frame
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
-from ._calls import RpcFuture, _Call, is_builtin
+from ._calls import RpcFuture, _Call, is_builtin, set_future_error
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload
+from ._rref_context import RRefContext
 from ._worker_info import WorkerInfo
 
 __all__ = ["RpcAgent", "current_agent", "set_current_agent"]
@@ -104,6 +106,8 @@ class RpcAgent(FrameHandler):
         self.shutdown_hooks: list[Callable[[], None]] = []
         #: called (on a callback thread) with the rank and error of every peer found dead
         self.peer_failure_listeners: list[Callable[[int, Exception], None]] = []
+        self.rrefs = RRefContext(self)
+        self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -280,6 +284,64 @@ class RpcAgent(FrameHandler):
             self._arm_timeout(cid, call)
         return future
 
+    def send_with_retries(
+        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = 3
+    ) -> torch.futures.Future[Any]:
+        """An internal message whose handler is idempotent (the reference's
+        ``sendWithRetries``): a failure other than a dead peer or a stopped agent is retried.
+        The future completes with the result or the last error."""
+        result: torch.futures.Future[Any] = torch.futures.Future()
+
+        def attempt(left: int) -> None:
+            try:
+                future = self.call_async(
+                    self.get_worker_info(dst), func, args, {}, 0, internal=True
+                )
+            except BaseException as exc:  # the peer is gone or this agent is stopping
+                set_future_error(result, exc)
+                return
+
+            def done(answered: torch.futures.Future[Any]) -> None:
+                try:
+                    value = answered.wait()
+                except (PeerFailureError, RpcShutdownError) as exc:
+                    set_future_error(result, exc)
+                except BaseException as exc:
+                    if left > 1:
+                        attempt(left - 1)
+                    else:
+                        set_future_error(result, exc)
+                else:
+                    result.set_result(value)
+
+            future.add_done_callback(done)
+
+        attempt(attempts)
+        return result
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """A block that waits for other workers: on a worker thread, its pool slot is free
+        meanwhile (so nested calls cannot exhaust the pool)."""
+        pool = self._workers
+        if not pool.is_member():
+            yield
+            return
+        pool.enter_blocking()
+        try:
+            yield
+        finally:
+            pool.exit_blocking()
+
+    def schedule(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` soon on a callback thread. Safe from anywhere, even ``__del__``: it takes
+        no lock on the calling thread."""
+        self._io.call_soon(self._run_scheduled, fn)
+
+    def _run_scheduled(self, fn: Callable[[], Any]) -> None:
+        if not self._stopped:
+            self._callbacks.submit(fn)
+
     def _result(self, call: _Call) -> Any:
         if call.error is not None:
             raise call.error
@@ -305,7 +367,7 @@ class RpcAgent(FrameHandler):
         try:
             result = self._result(call)
         except BaseException as exc:
-            future.set_exception(exc)
+            set_future_error(future, exc)
         else:
             future.set_result(result)
 
@@ -394,9 +456,10 @@ class RpcAgent(FrameHandler):
             return tensors
 
         try:
-            _ext, (func, args, kwargs) = decode(
-                frame.meta, frame.buffers, frame.flags, on_table if extension else None
-            )
+            with RRefContext.collecting() as unconfirmed:
+                _ext, (func, args, kwargs) = decode(
+                    frame.meta, frame.buffers, frame.flags, on_table if extension else None
+                )
         except (AttributeError, ImportError) as exc:
             self._reply_error(conn, frame.message_id, RuntimeError(f"{_UDF_MISSING} ({exc!r})"))
             return
@@ -406,6 +469,12 @@ class RpcAgent(FrameHandler):
             )
             return
         del frame.buffers[:]
+        if unconfirmed:  # RRefs in the arguments: run once their owners know them
+            try:
+                self._wait_confirmed(unconfirmed)
+            except BaseException as exc:
+                self._reply_error(conn, frame.message_id, exc)
+                return
         state = states[0] if states else None
         try:
             if state is None:
@@ -424,6 +493,18 @@ class RpcAgent(FrameHandler):
             self._reply_error(conn, frame.message_id, exc, builtin=is_builtin(func))
             return
         self._reply(conn, frame.message_id, result, state)
+
+    def _wait_confirmed(self, users: list[Any]) -> None:
+        """Wait until the owners confirmed the UserRRefs received in a request (the reference
+        runs no user function before that), or raise why they never will be."""
+        timeout = self.rpc_timeout if self.rpc_timeout > 0 else None
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        with self.blocking():
+            for rref in users:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not rref._settled.wait(left):
+                    raise RpcTimeoutError(rpc_timeout_message(self.rpc_timeout))
+                rref._check_usable()
 
     def _serve_async(
         self,
@@ -531,6 +612,7 @@ class RpcAgent(FrameHandler):
         self._callbacks.stop()
         self._io.stop()
         self.keepalive.clear()
+        self.rref_leaks = self.rrefs.destroy()
 
 
 _current: RpcAgent | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,12 +25,14 @@ from ._options import (
     construct_rpc_backend_options,
     is_backend_type,
 )
+from ._rref import RRef, create_remote
 from ._worker_info import WorkerInfo, validate_worker_name
 
 __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",
@@ -177,6 +180,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
             _collectives.wait_all_workers(remaining())
             for hook in list(agent.shutdown_hooks):
                 hook()
+            agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
             while True:
                 agent.wait_until_idle(deadline)
                 counts = _collectives.all_gather(agent.active_calls(), timeout=remaining())
@@ -185,6 +189,28 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
     finally:
         set_current_agent(None)
         agent.stop(graceful)
+    _check_rref_leaks(agent)
+
+
+def _rref_drain_timeout(agent: RpcAgent, deadline: float | None) -> float:
+    """How long shutdown waits for RRef users to be deleted: what is left of its timeout, or
+    (with none) the default RPC timeout (60 s if that is infinite too)."""
+    if deadline is not None:
+        return max(0.0, deadline - time.monotonic())
+    return agent.rpc_timeout if agent.rpc_timeout > 0 else _config.DEFAULT_RPC_TIMEOUT_SEC
+
+
+def _check_rref_leaks(agent: RpcAgent) -> None:
+    # ``rpc.api._ignore_rref_leak`` (default True), as in the reference: users set it on the
+    # public module, so it is read from there.
+    public = sys.modules.get("distgrad.rpc.api")
+    if getattr(public, "_ignore_rref_leak", True) or not agent.rref_leaks:
+        return
+    rref_id, fork_id = agent.rref_leaks[0]
+    raise RuntimeError(
+        f"Leaking RRef {rref_id} with fork Id {fork_id}\n"
+        f"({len(agent.rref_leaks)} forks were still registered at shutdown)"
+    )
 
 
 @_require_initialized
@@ -247,6 +273,39 @@ def rpc_async(
     if collected is not None:
         collected.append(future)
     return future
+
+
+@_require_initialized
+def remote(
+    to: To,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = _config.UNSET_RPC_TIMEOUT,
+) -> RRef[Any]:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return an ``RRef`` to the result at once.
+
+    The result stays on ``to`` (its owner). ``timeout`` bounds the creation; a creation that
+    fails or times out is reported when the RRef is next used (``to_here``, passed in a call).
+
+    Example::
+
+        rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        rref.to_here()  # tensor([4., 4.])
+    """
+    agent = _agent()
+    dst = _to_worker_info(agent, to)
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    return create_remote(
+        agent,
+        dst,
+        func,
+        tuple(args) if args else (),
+        kwargs or {},
+        timeout,
+        force=not is_builtin(func),
+    )
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ future ``rpc_async`` hands out (``RpcFuture``); and which functions are torch bu
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -11,13 +12,14 @@ import torch
 from torch.jit._builtins import _find_builtin as _find_builtin_untyped
 
 from ._pool import ThreadPool
+from ._remote_error import remember_traceback
 
 if TYPE_CHECKING:
     from .._transport._connection import Connection
     from .._transport._transport import LoopbackConnection
     from .._wire._frames import Frame
 
-__all__ = ["RpcFuture", "is_builtin"]
+__all__ = ["RpcFuture", "fresh_copy", "is_builtin", "set_future_error"]
 
 _find_builtin: Callable[[Any], Any] = _find_builtin_untyped
 
@@ -28,6 +30,39 @@ def is_builtin(func: Any) -> bool:
         return _find_builtin(func) is not None
     except Exception:
         return False
+
+
+def fresh_copy(stored: BaseException) -> BaseException:
+    """A new exception equal to ``stored`` (type, args, attributes, cause)."""
+    try:
+        fresh = copy.copy(stored)
+    except Exception:
+        return stored
+    fresh.__cause__ = stored.__cause__
+    fresh.__context__ = stored.__context__
+    fresh.__suppress_context__ = stored.__suppress_context__
+    return fresh
+
+
+def _raise_fresh(stored: BaseException) -> None:
+    raise fresh_copy(stored)
+
+
+def set_future_error(future: torch.futures.Future[Any], error: BaseException) -> None:
+    """Fail ``future`` with ``error`` (what ``set_exception`` does), but so that every
+    ``wait()``/``value()`` raises a fresh copy.
+
+    ``set_exception`` stores the exception object itself and re-raises it on each wait, so its
+    traceback collects the frames of every waiter -- and with them whatever those frames hold
+    (RRefs, the future itself). A torch Future is opaque to the garbage collector, so such a
+    cycle is never collected: an RRef used in a failed call would keep its owner's value alive
+    forever. The stored copy keeps no frames, only the traceback's text (which an error reply
+    sends on, see ``_remote_error``); ``error`` itself is left as it is."""
+    stored = fresh_copy(error)
+    if stored is not error and error.__traceback__ is not None:
+        remember_traceback(stored, error)
+    future._set_unwrap_func(_raise_fresh)  # type: ignore[attr-defined]
+    future.set_result(stored)
 
 
 class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]

@@ -99,6 +99,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self._transports = _transports
         self._channels = _channels
         self.secret = secret.encode() if isinstance(secret, str) else secret
+        if self.secret is not None and not self.secret:
+            raise ValueError("secret must not be empty (leave it None to use DISTGRAD_SECRET)")
         self.server_ssl_context = server_ssl_context
         self.client_ssl_context = client_ssl_context
         self.max_message_size = max_message_size

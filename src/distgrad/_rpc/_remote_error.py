@@ -6,7 +6,25 @@ import pickle
 import traceback
 from typing import Any
 
-__all__ = ["RemoteTraceback", "error_payload", "exception_from_payload"]
+__all__ = ["RemoteTraceback", "error_payload", "exception_from_payload", "remember_traceback"]
+
+# Where an exception was first raised, as text, for copies that travel without their frames.
+_TRACEBACK_ATTR = "_distgrad_traceback"
+
+
+def _traceback_text(exc: BaseException) -> str:
+    saved = getattr(exc, _TRACEBACK_ATTR, None)
+    if isinstance(saved, str):
+        return saved
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def remember_traceback(copy: BaseException, original: BaseException) -> None:
+    """Give ``copy`` the traceback text of ``original`` (what an error reply will show)."""
+    try:
+        setattr(copy, _TRACEBACK_ATTR, _traceback_text(original))
+    except AttributeError:  # an exception type without __dict__
+        pass
 
 
 class RemoteTraceback(Exception):
@@ -29,7 +47,7 @@ def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tupl
     The type travels by reference in a nested pickle, so that a type the caller cannot import
     still leaves the message readable (it then arrives as RuntimeError).
     """
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = _traceback_text(exc)
     verbatim = builtin or getattr(exc, "verbatim_over_rpc", False)
     message = str(exc) if verbatim else f"On {where}:\n{exc!r}\n{tb}"
     try:

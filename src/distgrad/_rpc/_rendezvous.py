@@ -65,7 +65,7 @@ def open_store(
 def agree_secret(store: Any, rank: int, options: TensorPipeRpcBackendOptions) -> bytes:
     """The cluster secret: from the options, else ``$DISTGRAD_SECRET``, else made by rank 0
     and shared through the store (which must then be trusted)."""
-    if options.secret:
+    if options.secret is not None:
         return options.secret
     from_env = _config.env_str(_config.ENV_SECRET)
     if from_env is not None:

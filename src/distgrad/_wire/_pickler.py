@@ -45,6 +45,7 @@ __all__ = [
     "dumps",
     "encode",
     "loads",
+    "register_reducer",
 ]
 
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
@@ -239,6 +240,14 @@ _TABLE_DISPATCH[torch.Tensor] = _reduce_tensor
 for _future_type in (torch.futures.Future, torch._C.Future):
     _PAYLOAD_DISPATCH[_future_type] = _reduce_future
     _TABLE_DISPATCH[_future_type] = _reduce_future
+
+
+def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
+    """Pickle objects of exactly ``kind`` with ``reducer`` in messages (and only there: a
+    layer above uses this for objects that may cross the wire but must not be pickled
+    elsewhere, such as RRefs, whose pickling forks a reference)."""
+    _PAYLOAD_DISPATCH[kind] = reducer
+    _TABLE_DISPATCH[kind] = reducer
 
 
 class _PayloadPickler(pickle.Pickler):

@@ -17,6 +17,7 @@ from .._autograd._recording import AutogradRecording
 from .._rpc import _api as _rpc_api
 from .._rpc._agent import current_agent
 from .._rpc._extension import set_extension
+from .._rpc._rref import set_dist_backward
 
 __all__ = ["BackwardError", "backward", "context", "get_gradients", "is_available"]
 
@@ -80,6 +81,7 @@ def _on_rpc_init(rank: int) -> None:
 
 
 set_extension(AutogradRecording())
+set_dist_backward(backward)  # RRef.backward(context_id) on the owner
 _context.on_release = after_release
 if _on_rpc_init not in _rpc_api.init_hooks:
     _rpc_api.init_hooks.append(_on_rpc_init)

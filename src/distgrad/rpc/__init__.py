@@ -24,6 +24,7 @@ from .._rpc._api import (
     get_rpc_timeout,
     get_worker_info,
     init_rpc,
+    remote,
     rpc_async,
     rpc_sync,
     shutdown,
@@ -38,6 +39,7 @@ from .._rpc._options import (
     register_backend,
 )
 from .._rpc._remote_error import RemoteTraceback
+from .._rpc._rref import RRef
 from .._rpc._worker_info import WorkerInfo
 from . import api, constants, functions
 
@@ -49,6 +51,7 @@ __all__ = [
     "MessageTooLargeError",
     "PeerFailureError",
     "ProtocolError",
+    "RRef",
     "RemoteTraceback",
     "RpcBackendOptions",
     "RpcShutdownError",
@@ -65,6 +68,7 @@ __all__ = [
     "init_rpc",
     "is_available",
     "register_backend",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",
@@ -72,6 +76,12 @@ __all__ = [
 
 _set_rpc_timeout = _api_impl.set_rpc_timeout
 _wait_all = _api_impl.wait_all
+PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
+
+
+def _rref_context_get_debug_info() -> dict[str, str]:
+    """RRef table sizes of this worker (values are strings, as the reference's)."""
+    return _get_current_rpc_agent().rrefs.debug_info()
 
 
 def is_available() -> bool:
@@ -93,5 +103,11 @@ def _get_current_rpc_agent() -> _RpcAgent:
 
 
 # public objects report the public module in reprs and tracebacks
-for _name in ("WorkerInfo", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "RemoteTraceback"):
+for _name in (
+    "WorkerInfo",
+    "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "RemoteTraceback",
+    "RRef",
+):
     globals()[_name].__module__ = __name__

@@ -1,0 +1,1 @@
+"""RemoteModule (layer 5): built on the public RPC API."""

@@ -1,0 +1,342 @@
+"""``RemoteModule``: an ``nn.Module`` that lives on another worker (SPEC 1.4).
+
+What runs where: the constructor sends ``_create_module`` to the owner with ``rpc.remote`` and
+keeps the module's RRef; ``forward`` / ``forward_async`` send ``_remote_forward`` (a Python
+function, so distributed autograd always records it: gradients flow back to the owner's
+parameters); ``remote_parameters`` returns RRefs made on the owner, ready for
+``DistributedOptimizer``. A creation error (``module_cls`` failed, or did not return a module)
+is kept on the owner and raised by the first use, with its original type.
+
+A RemoteModule pickles only through RPC (a reducer registered with the wire pickler carries the
+worker, the device and a fork of the module's RRef), so it can be sent to a third worker and
+used there; plain ``pickle`` / ``torch.save`` refuse it, as in the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .. import rpc
+from .._wire._pickler import register_reducer
+from ._remote_device import parse_remote_device
+
+__all__ = ["RemoteModule"]
+
+#: nn.Module methods a RemoteModule refuses (the reference's list).
+_UNSUPPORTED = (
+    "register_buffer",
+    "register_parameter",
+    "add_module",
+    "apply",
+    "cuda",
+    "ipu",
+    "xpu",
+    "cpu",
+    "type",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "to",
+    "register_backward_hook",
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "state_dict",
+    "load_state_dict",
+    "named_parameters",
+    "buffers",
+    "named_buffers",
+    "children",
+    "named_children",
+    "modules",
+    "named_modules",
+    "requires_grad_",
+    "zero_grad",
+    "share_memory",
+    "extra_repr",
+)
+
+
+# -- functions run on the owner ----------------------------------------------------------------
+def _check_device(device: torch.device) -> None:
+    """A clear error when the owner lacks the device (instead of torch's deep one from ``.to``)."""
+    if device.type != "cuda":
+        return
+    me = rpc.get_worker_info().name
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"RemoteModule: worker {me} has no CUDA device (torch.cuda.is_available() is "
+            f"False there), so the module cannot be placed on {device}"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise RuntimeError(
+            f"RemoteModule: worker {me} has {count} CUDA device(s), so the module cannot be "
+            f"placed on {device}"
+        )
+
+
+def _create_module(
+    module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: str
+) -> nn.Module:
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise ValueError(
+            "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+            f"but it returns an instance of {type(module)}."
+        )
+    _check_device(torch.device(device))
+    module.to(device)
+    return module
+
+
+def _remote_forward(
+    module_rref: rpc.RRef[nn.Module],
+    device: str,
+    is_device_map_set: bool,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    module = module_rref.local_value()
+    target = torch.device(device)
+    if target.type == "cpu":
+        return module(*args, **kwargs)
+
+    # On an accelerator: inputs move to the module's device; without a device map only CPU
+    # tensors may cross the wire, so outputs come back to the CPU (autograd follows both moves).
+    def to_device(value: Any) -> Any:
+        return value.to(target) if isinstance(value, torch.Tensor) else value
+
+    def to_cpu(value: Any) -> Any:
+        return value.cpu() if isinstance(value, torch.Tensor) else value
+
+    args, kwargs = tree_map(to_device, (args, kwargs))
+    out = module(*args, **kwargs)
+    return out if is_device_map_set else tree_map(to_cpu, out)
+
+
+def _param_rrefs(module_rref: rpc.RRef[nn.Module], recurse: bool) -> list[rpc.RRef[nn.Parameter]]:
+    return [rpc.RRef(param) for param in module_rref.local_value().parameters(recurse)]
+
+
+def _set_training(module_rref: rpc.RRef[nn.Module], mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
+def _raise_not_supported(name: str) -> NoReturn:
+    raise ValueError(f"Method ``{name}`` not supported for RemoteModule")
+
+
+# -- the module ----------------------------------------------------------------------------------
+class RemoteModule(nn.Module):
+    """A module created on another worker; ``forward`` runs there (torch's ``RemoteModule``).
+
+    Args:
+        remote_device: ``"<worker_name>/<device>"`` or ``"rank:<rank>/<device>"``; the device
+            is optional (default ``"cpu"``), e.g. ``"ps0"``, ``"ps0/cpu"``, ``"rank:1/cuda:0"``.
+        module_cls: the class (or factory) of the module, called on the owner as
+            ``module_cls(*args, **kwargs)``; it must be importable there.
+        args, kwargs: its arguments.
+
+    ``forward(*args, **kwargs)`` (and calling the module) blocks; ``forward_async`` returns a
+    ``torch.futures.Future``. Inside a distributed autograd context both are recorded, so
+    ``dist_autograd.backward`` reaches the owner's parameters; optimize them with
+    ``DistributedOptimizer(optim_cls, rm.remote_parameters(), ...)``. Most other ``nn.Module``
+    methods raise ``ValueError`` (as the reference). A RemoteModule can be passed to other
+    workers in RPC arguments and results (it refers to the same module); Python ``pickle``
+    refuses it.
+
+    Example (worker1 only runs ``init_rpc`` and ``shutdown``)::
+
+        # on worker0
+        import torch
+        import distgrad.rpc as rpc
+        from distgrad.nn import RemoteModule
+
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        linear = RemoteModule("worker1/cpu", torch.nn.Linear, args=(20, 30))
+        out = linear(torch.randn(128, 20))             # runs on worker1
+        fut = linear.forward_async(torch.randn(128, 20))
+        rpc.shutdown()
+
+        # on worker1
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()
+
+    Differences from torch: no TorchScript variant (``_module_interface_cls``); the owner calls
+    the module (``module(*args)``, so forward hooks registered on the owner run), not
+    ``module.forward``; ``train(mode)`` honours ``mode`` and returns this RemoteModule (the
+    reference always calls ``train()`` and returns a copy of the remote module); ``repr()``
+    works (the reference's raises, through ``extra_repr``).
+    """
+
+    on: str | int
+    device: str
+    is_device_map_set: bool
+    is_scriptable: bool
+    module_rref: rpc.RRef[nn.Module]
+
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: Callable[..., Any],
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self._prepare_init(remote_device)
+        self.is_scriptable = False
+        self.module_rref = rpc.remote(
+            self.on,
+            _create_module,
+            (module_cls, tuple(args) if args is not None else (), dict(kwargs or {}), self.device),
+        )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_reducer(cls, _reduce_remote_module)  # the pickler dispatches on exact types
+
+    def _prepare_init(self, remote_device: str) -> None:
+        if not rpc._is_current_rpc_agent_set():
+            raise AssertionError("RemoteModule only works in RPC.")
+        on, device = parse_remote_device(remote_device)
+        if on is None:
+            raise ValueError(
+                f"remote_device {remote_device!r} names no worker: use "
+                "'<workername>/<device>' or 'rank:<rank>/<device>'"
+            )
+        agent = rpc._get_current_rpc_agent()
+        worker = agent.get_worker_info(on)  # an unknown worker fails here, as the reference
+        self.on = on
+        self.device = str(device)
+        self.is_device_map_set = bool(agent.options.device_maps.get(worker.name))
+
+    @staticmethod
+    def init_from_module_rref(
+        remote_device: str, module_rref: rpc.RRef[nn.Module], _module_interface_cls: Any = None
+    ) -> RemoteModule:
+        """A RemoteModule for an existing module's RRef (several RemoteModules may share one
+        module). ``remote_device`` must name the RRef's owner."""
+        if _module_interface_cls is not None:
+            raise NotImplementedError("distgrad has no TorchScript RemoteModule")
+        module: RemoteModule = object.__new__(RemoteModule)
+        nn.Module.__init__(module)
+        module._prepare_init(remote_device)
+        module.is_scriptable = False
+        module.module_rref = module_rref
+        return module
+
+    # -- remote calls ----------------------------------------------------------------------------
+    def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future[Any]:
+        """Run the module's forward on its owner; a future of the result."""
+        return rpc.rpc_async(
+            self.module_rref.owner(),
+            _remote_forward,
+            (self.module_rref, self.device, self.is_device_map_set, *args),
+            kwargs,
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's forward on its owner and return the result (blocking)."""
+        return self.forward_async(*args, **kwargs).wait()
+
+    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef[nn.Parameter]]:
+        """RRefs to the module's parameters (for ``DistributedOptimizer``)."""
+        return rpc.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))  # type: ignore[no-any-return]
+
+    def get_module_rref(self) -> rpc.RRef[nn.Module]:
+        """The RRef to the module on its owner."""
+        return self.module_rref
+
+    def train(self, mode: bool = True) -> RemoteModule:
+        """Set the remote module's training mode (on the owner); returns this RemoteModule."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        rpc.rpc_sync(self.module_rref.owner(), _set_training, (self.module_rref, mode))
+        self.training = mode
+        return self
+
+    def eval(self) -> RemoteModule:
+        """``train(False)``."""
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        raise ValueError(
+            "Method ``parameters`` not supported for RemoteModule. Please use "
+            "``remote_parameters`` instead."
+        )
+
+    # -- pickling ----------------------------------------------------------------------------------
+    def __getstate__(self) -> NoReturn:
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+            "when using RPC"
+        )
+
+    def __setstate__(self, state: Any) -> NoReturn:
+        raise RuntimeError(
+            "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled "
+            "when using RPC"
+        )
+
+    def __repr__(self) -> str:
+        rref = self.__dict__.get("module_rref")
+        return (
+            f"{type(self).__name__}(on={self.__dict__.get('on')!r}, "
+            f"device={self.__dict__.get('device')!r}, module_rref={rref})"
+        )
+
+
+def _unsupported(name: str) -> Callable[..., NoReturn]:
+    def method(self: RemoteModule, *args: Any, **kwargs: Any) -> NoReturn:
+        _raise_not_supported(name)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = "Not supported for RemoteModule (raises ``ValueError``), as in torch."
+    return method
+
+
+for _name in _UNSUPPORTED:
+    setattr(RemoteModule, _name, _unsupported(_name))
+
+
+# -- pickling through RPC ------------------------------------------------------------------------
+def _reduce_remote_module(module: RemoteModule) -> tuple[Any, tuple[Any, ...]]:
+    state = module.__dict__
+    return _rebuild_remote_module, (
+        type(module),
+        state["on"],
+        state["device"],
+        state["is_device_map_set"],
+        state["is_scriptable"],
+        state.get("training", True),
+        state["module_rref"],  # pickled by the same pickler: a fork of the RRef
+    )
+
+
+def _rebuild_remote_module(
+    cls: type[RemoteModule],
+    on: str | int,
+    device: str,
+    is_device_map_set: bool,
+    is_scriptable: bool,
+    training: bool,
+    module_rref: rpc.RRef[nn.Module],
+) -> RemoteModule:
+    module: RemoteModule = object.__new__(cls)
+    nn.Module.__init__(module)
+    module.on = on
+    module.device = device
+    module.is_device_map_set = is_device_map_set
+    module.is_scriptable = is_scriptable
+    module.training = training
+    module.module_rref = module_rref
+    return module
+
+
+register_reducer(RemoteModule, _reduce_remote_module)

@@ -1,0 +1,1 @@
+"""DistributedOptimizer (layer 5): built on the public RPC and autograd APIs."""

@@ -1,0 +1,524 @@
+"""Remote references: ``RRef``, ``remote()``, and the messages behind them (SPEC 1.1, 4).
+
+An :class:`RRef` is either the *owner's* handle (it holds an :class:`OwnerValue`) or a *user's*
+(ids only). Users become owners' handles and vice versa only through RPC pickling: sending an
+RRef in a call's arguments or result forks it (``_reduce_rref`` on the sender, ``_rebuild_rref``
+on the receiver), following the reference's protocol (``_rref_context`` explains the tables).
+
+What runs where: ``remote()`` sends ``_remote_exec`` to the owner, which creates the value and
+registers the caller's fork before it replies; ``to_here()`` sends ``_rref_fetch``, answered
+when the value is set. Both ride on ordinary calls, so distributed autograd records them as the
+reference does (forced for Python functions, ``remote`` and ``to_here``). Protocol messages
+(fork requests, child accepts, deletes) are internal calls, retried, never recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+from .._errors import RpcTimeoutError
+from .._wire._pickler import register_reducer
+from . import _profiling
+from ._agent import RpcAgent, current_agent
+from ._calls import fresh_copy, set_future_error
+from ._functions import async_execution
+from ._rref_context import (
+    RREF_TIMED_OUT,
+    GloballyUniqueId,
+    OwnerValue,
+    RRefContext,
+    _child_accept,
+)
+from ._worker_info import WorkerInfo
+
+if TYPE_CHECKING:
+    from ._rref_proxy import RRefProxy
+
+__all__ = ["RRef", "create_remote", "set_dist_backward"]
+
+T = TypeVar("T")
+
+_NO_AGENT = (
+    "Current RPC agent is not set! Did you initialize the RPC framework "
+    "(e.g. by calling `rpc.init_rpc`)?"
+)
+
+#: ``dist_autograd.backward``, installed by the autograd layer (RPC never imports it).
+_dist_backward: Callable[[int, list[torch.Tensor], bool], None] | None = None
+
+
+def set_dist_backward(backward: Callable[[int, list[torch.Tensor], bool], None]) -> None:
+    global _dist_backward
+    _dist_backward = backward
+
+
+def _agent_or_raise() -> RpcAgent:
+    agent = current_agent()
+    if agent is None:
+        raise RuntimeError(_NO_AGENT)
+    return agent
+
+
+def _wait_blocking(agent: RpcAgent, value: OwnerValue) -> Any:
+    """Wait for an owner value; a worker thread frees its pool slot meanwhile."""
+    if value.done():
+        return value.result()
+    with agent.blocking():
+        return value.wait()
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker, its *owner* (torch's ``RRef``).
+
+    ``RRef(value)`` makes this worker the owner of ``value``; ``rpc.remote(to, fn, args)``
+    returns a reference to ``fn(*args)`` run on ``to``. References can be passed to other
+    workers in RPC arguments and results; the owner keeps the value while any reference to it
+    exists anywhere.
+
+    Example (worker0 and worker1)::
+
+        # on worker0
+        rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        rref.to_here()                       # tensor([2., 2.])
+        rref.rpc_sync().size()               # runs value.size() on worker1
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_confirmed",
+        "_creation",
+        "_ctx",
+        "_deleted",
+        "_error",
+        "_fork_id",
+        "_owner",
+        "_profiling_future",
+        "_rref_id",
+        "_settled",
+        "_timed_out",
+        "_type_future",
+        "_value",
+    )
+
+    _ctx: RRefContext
+    _rref_id: GloballyUniqueId
+    _fork_id: GloballyUniqueId | None
+    _owner: WorkerInfo
+    _value: OwnerValue | None
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        agent = _agent_or_raise()
+        self._init(agent.rrefs, agent.rrefs.new_id(), None, agent.worker_info)
+        self._value = OwnerValue.of(value)
+        self._confirmed = True
+
+    def _init(
+        self,
+        ctx: RRefContext,
+        rref_id: GloballyUniqueId,
+        fork_id: GloballyUniqueId | None,
+        owner: WorkerInfo,
+    ) -> None:
+        self._ctx = ctx
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._owner = owner
+        self._value = None
+        self._confirmed = False
+        self._settled: threading.Event | None = None  # users: set once confirmed (or failed)
+        self._error: BaseException | None = None
+        self._timed_out = False
+        self._deleted = False
+        self._creation: torch.futures.Future[Any] | None = None
+        self._type_future: torch.futures.Future[Any] | None = None
+        self._profiling_future: torch.futures.Future[Any] | None = None
+
+    @classmethod
+    def _new_owner(cls, ctx: RRefContext, rref_id: GloballyUniqueId, value: OwnerValue) -> RRef[T]:
+        rref: RRef[T] = cls.__new__(cls)
+        rref._init(ctx, rref_id, None, ctx.agent.worker_info)
+        rref._value = value
+        rref._confirmed = True
+        return rref
+
+    @classmethod
+    def _new_user(
+        cls,
+        ctx: RRefContext,
+        rref_id: GloballyUniqueId,
+        fork_id: GloballyUniqueId,
+        owner: WorkerInfo,
+    ) -> RRef[T]:
+        rref: RRef[T] = cls.__new__(cls)
+        rref._init(ctx, rref_id, fork_id, owner)
+        rref._settled = threading.Event()
+        return rref
+
+    def __del__(self) -> None:
+        try:
+            fork_id = self._fork_id
+            if fork_id is None or self._deleted or self._ctx.destroyed:
+                return
+            if self._confirmed or self._timed_out:
+                self._ctx.user_dropped(self._owner.id, self._rref_id, fork_id)
+        except Exception:  # interpreter shutdown, half-built object
+            pass
+
+    # -- confirmation (users) --------------------------------------------------------------------
+    def _settle(self, error: BaseException | None) -> None:
+        """The owner confirmed this user (or, with ``error``, the creation failed)."""
+        if error is None:
+            self._confirmed = True
+        elif isinstance(error, RpcTimeoutError):
+            self._timed_out = True
+        else:
+            self._error = error
+        settled = self._settled
+        if settled is not None:
+            settled.set()
+
+    def _check_usable(self) -> None:
+        if self._timed_out:
+            raise RuntimeError(RREF_TIMED_OUT)
+        if self._error is not None:  # a copy: the stored one must not collect our frames
+            raise fresh_copy(self._error)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._fork_id is None
+
+    def owner(self) -> WorkerInfo:
+        """The owner's ``WorkerInfo``."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        """The owner's worker name."""
+        return self._owner.name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows this reference (always True on the owner)."""
+        return self._confirmed
+
+    def __str__(self) -> str:
+        if self._fork_id is None:
+            return f"OwnerRRef({self._rref_id!r})"
+        return f"UserRRef(RRefId = {self._rref_id!r}, ForkId = {self._fork_id!r})"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError(
+            "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+        )
+
+    # -- values ----------------------------------------------------------------------------------
+    def local_value(self) -> T:
+        """The value, on the owner (blocks until it is set; raises the creating call's error)."""
+        if self._value is None:
+            me = current_agent()
+            where = me.worker_info if me is not None else self._ctx.agent.worker_info
+            raise RuntimeError(
+                f"For UserRRef(rref_id={self._rref_id!r}, fork_id={self._fork_id!r}), can't call "
+                f"localValue() on user {where}. Call it on owner {self._owner}"
+            )
+        return _wait_blocking(self._ctx.agent, self._value)  # type: ignore[no-any-return]
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """A copy of the value, fetched from the owner (on the owner: the value itself).
+
+        Inside a distributed autograd context the fetch is recorded, so gradients flow back to
+        the owner's graph."""
+        if self._value is not None:
+            return _wait_blocking(self._ctx.agent, self._value)  # type: ignore[no-any-return]
+        if self._deleted:
+            raise RuntimeError(
+                f"{self} has been deleted. Cannot call to_here() on it after deletion."
+            )
+        self._check_usable()
+        agent = self._ctx.agent
+        return agent.call_sync(self._owner, _rref_fetch, (self._rref_id,), {}, timeout)  # type: ignore[no-any-return]
+
+    def _get_future(self) -> torch.futures.Future[Any]:
+        """The future of the call that created this RRef (``rpc.remote``)."""
+        if self._creation is None:
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            future.set_result(None)
+            return future
+        return self._creation
+
+    def _get_profiling_future(self) -> torch.futures.Future[Any]:
+        return self._profiling_future if self._profiling_future is not None else self._get_future()
+
+    def _set_profiling_future(self, future: torch.futures.Future[Any]) -> None:
+        self._profiling_future = future
+
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """The type of the value (one RPC to the owner the first time, then cached). With
+        ``blocking=False``, a future of it."""
+        future = self._type_future
+        if future is None:
+            if self._value is not None:
+                future = self._value.as_future(type)
+            else:
+                self._check_usable()
+                future = self._ctx.agent.call_async(
+                    self._owner,
+                    _rref_typeof_on_owner,
+                    (self._rref_id,),
+                    {},
+                    timeout,
+                    internal=True,
+                )
+            self._type_future = future
+        return future.wait() if blocking else future
+
+    # -- proxies ---------------------------------------------------------------------------------
+    def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
+        """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on the owner."""
+        from ._rref_proxy import RRefProxy
+
+        return RRefProxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> RRefProxy:
+        """``rref.rpc_async().method(*args)``: a future of ``method``'s result on the owner."""
+        from ._rref_proxy import RRefProxy
+
+        return RRefProxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> RRefProxy:
+        """``rref.remote().method(*args)``: an RRef to ``method``'s result, on the owner."""
+        from ._rref_proxy import RRefProxy
+
+        return RRefProxy(self, "remote", timeout)
+
+    # -- autograd --------------------------------------------------------------------------------
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the value (a scalar tensor) -- on the owner.
+
+        With a context id the pass is a distributed one (``dist_autograd.backward``); without,
+        a local ``torch.autograd.backward`` (owner only)."""
+        if self._value is not None:
+            _owner_backward(self.local_value(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        self._check_usable()
+        self._ctx.agent.call_sync(
+            self._owner,
+            _rref_backward_on_owner,
+            (self._rref_id, dist_autograd_ctx_id, retain_graph),
+            {},
+            internal=True,
+        )
+
+
+def _owner_backward(value: Any, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        torch.autograd.backward([value], retain_graph=retain_graph)
+        return
+    if _dist_backward is None:
+        raise RuntimeError("distributed autograd is not available (import distgrad.autograd)")
+    _dist_backward(context_id, [value], retain_graph)
+
+
+# -- pickling through RPC (forks) --------------------------------------------------------------
+ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int]
+
+
+def _reduce_rref(rref: RRef[Any]) -> tuple[Any, ForkData]:
+    """Sender side of a fork (the reference's ``prepareChildFork``)."""
+    ctx = rref._ctx
+    if ctx.destroyed:
+        raise RuntimeError(f"{rref} belongs to an RPC agent that was shut down")
+    if rref._deleted:
+        raise RuntimeError(f"{rref} has been deleted. Cannot call fork an UserRRef after deletion.")
+    rref._check_usable()
+    fork_id = ctx.new_id()
+    if rref._value is not None:  # the owner: register the fork at once
+        ctx.keep_owner(rref._rref_id, rref._value)
+        ctx.add_fork(rref._rref_id, fork_id)
+    else:  # a user: stay alive until the owner knows the child
+        ctx.add_pending_child(fork_id, rref)
+    return _rebuild_rref, (rref._owner.id, rref._rref_id, fork_id, ctx.worker_id)
+
+
+def _rebuild_rref(
+    owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, parent: int
+) -> RRef[Any]:
+    """Receiver side of a fork."""
+    agent = _agent_or_raise()
+    ctx = agent.rrefs
+    if owner == ctx.worker_id:  # back at the owner: the one OwnerRRef
+        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, ctx.get_or_create_owner(rref_id))
+        if parent == owner:  # sent to itself: the fork registered when pickling is not a user
+            ctx.del_forks([(rref_id, fork_id)])
+        else:  # no user holds this fork id; its parent may let go
+            ctx.control(parent, _child_accept, (fork_id,))
+        return rref
+    rref = RRef._new_user(ctx, rref_id, fork_id, agent.get_worker_info(owner))
+    if parent == owner:  # the owner registered the fork before sending it
+        rref._settle(None)
+        ctx.add_confirmed_user(rref)
+    else:
+        ctx.request_fork(rref, parent)
+        ctx.collect(rref)
+    return rref
+
+
+register_reducer(RRef, _reduce_rref)
+
+
+# -- remote() ----------------------------------------------------------------------------------
+def create_remote(
+    agent: RpcAgent,
+    dst: WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    force: bool,
+) -> RRef[Any]:
+    """``rpc.remote``: an RRef at once; the value is created on ``dst``."""
+    ctx = agent.rrefs
+    rref_id = ctx.new_id()
+    if dst.id == ctx.worker_id:
+        # The owner is here: its handle now, the value from a real call to self. The call's
+        # own fork (the RRef id) keeps the value registered until the call is done.
+        value = OwnerValue()
+        ctx.keep_owner(rref_id, value)
+        ctx.add_fork(rref_id, rref_id)
+        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
+        call_args = (rref_id, rref_id, func, args, kwargs)
+        future = _create_call(agent, dst, func, call_args, timeout, force)
+
+        def created_here(error: BaseException | None) -> None:
+            if isinstance(error, RpcTimeoutError):
+                value.timed_out = True
+            elif error is not None:
+                value.set_error(error)
+            ctx.del_forks([(rref_id, rref_id)])
+
+        rref._creation = _after(future, created_here)
+        return rref
+    fork_id = ctx.new_id()
+    rref = RRef._new_user(ctx, rref_id, fork_id, dst)
+    ctx.add_pending_user(fork_id, rref)
+    future = _create_call(agent, dst, func, (rref_id, fork_id, func, args, kwargs), timeout, force)
+
+    rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
+    return rref
+
+
+def _create_call(
+    agent: RpcAgent,
+    dst: WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...],
+    timeout: float,
+    force: bool,
+) -> torch.futures.Future[Any]:
+    """The creation call of ``remote``; under a profiler it is the ``rpc_remote#...`` range,
+    which ends when the creation is answered."""
+    with _profiling.key_scope("remote", func, agent.worker_info, dst) as scope:
+        future = agent.call_async(dst, _remote_exec, args, {}, timeout, force=force)
+        scope.end_on(future)
+    return future
+
+
+def _after(
+    future: torch.futures.Future[Any], settle: Callable[[BaseException | None], None]
+) -> torch.futures.Future[Any]:
+    """The creation future ``_get_future()`` returns: it completes like ``future`` (error types
+    kept, which ``then`` would lose), after ``settle`` recorded the outcome on the RRef."""
+    creation: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(answered: torch.futures.Future[Any]) -> None:
+        error: BaseException | None = None
+        try:
+            answered.wait()
+        except BaseException as exc:
+            error = exc
+        settle(error)
+        if error is None:
+            creation.set_result(None)
+        else:
+            set_future_error(creation, error)
+
+    future.add_done_callback(done)
+    return creation
+
+
+# -- handlers (run on the owner) ---------------------------------------------------------------
+def _owner_value(rref_id: GloballyUniqueId) -> OwnerValue:
+    return _agent_or_raise().rrefs.get_or_create_owner(rref_id)
+
+
+def _done_future() -> torch.futures.Future[None]:
+    future: torch.futures.Future[None] = torch.futures.Future()
+    future.set_result(None)
+    return future
+
+
+@async_execution
+def _remote_exec(
+    rref_id: GloballyUniqueId,
+    fork_id: GloballyUniqueId,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> torch.futures.Future[None]:
+    """Create the value of a ``remote()`` call; answered once it is set (or failed: the
+    error is the value's, raised where it is used, as in the reference)."""
+    ctx = _agent_or_raise().rrefs
+    value = ctx.get_or_create_owner(rref_id)
+    if fork_id != rref_id:
+        ctx.add_fork(rref_id, fork_id)
+    try:
+        if getattr(func, "_wrapped_async_rpc_function", None) is None:
+            value.set_value(func(*args, **kwargs))
+            return _done_future()
+        result = func(*args, **kwargs)
+        if not isinstance(result, (torch.futures.Future, torch._C.Future)):
+            kind = type(result)
+            raise RuntimeError(
+                "Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
+            )
+    except BaseException as exc:
+        value.set_error(exc)
+        return _done_future()
+    replied: torch.futures.Future[None] = torch.futures.Future()
+
+    def finish(done: torch.futures.Future[Any]) -> None:
+        try:
+            value.set_value(done.wait())
+        except BaseException as exc:
+            value.set_error(exc)
+        replied.set_result(None)
+
+    result.add_done_callback(finish)
+    return replied
+
+
+@async_execution
+def _rref_fetch(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
+    """``to_here()``: the value, once it is set."""
+    return _owner_value(rref_id).as_future()
+
+
+@async_execution
+def _rref_typeof_on_owner(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
+    return _owner_value(rref_id).as_future(type)
+
+
+def _rref_backward_on_owner(rref_id: GloballyUniqueId, context_id: int, retain_graph: bool) -> None:
+    agent = _agent_or_raise()
+    _owner_backward(_wait_blocking(agent, _owner_value(rref_id)), context_id, retain_graph)

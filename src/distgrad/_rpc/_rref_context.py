@@ -1,0 +1,450 @@
+"""The RRef bookkeeping of one worker: ids, owner values, forks, and the pending states of the
+reference-counting protocol (SPEC 4.1). Pure state; the messages live in ``_rref``.
+
+Terms, as in the reference:
+
+* An **OwnerRRef** holds the value (:class:`OwnerValue`); exactly one per RRef id, on its
+  owner. A **UserRRef** elsewhere holds only ids; each has its own *fork id*.
+* The owner keeps ``forks[rref_id]``: the fork ids of every UserRRef that exists anywhere.
+  While that set is not empty, ``owners[rref_id]`` keeps the value alive; when the last fork is
+  deleted, only local ``RRef`` handles (if any) keep it.
+* **Pending users** are UserRRefs the owner has not confirmed yet (created by ``remote()``, or
+  received from a user that is not the owner). They are held here, so they cannot be deleted
+  before the owner knows them (G1 in the reference's notes).
+* **Pending children** are UserRRefs that were sent to another worker: the sender keeps them
+  until the receiver says the owner knows the child (G2: a parent outlives its child's
+  registration, so the owner never sees the fork set empty too early).
+
+Invariants: a fork id is added to ``forks`` before any delete for it can be sent (the owner adds
+it while handling the creating call, before replying; a forked child is confirmed only after
+the owner acknowledged it); control messages are idempotent (adding a known fork or deleting an
+unknown one is a no-op), so they may be retried.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._calls import set_future_error
+
+if TYPE_CHECKING:
+    from ._agent import RpcAgent
+    from ._rref import RRef
+
+__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext"]
+
+_log = logging.getLogger("distgrad.rpc")
+
+RREF_TIMED_OUT = (
+    "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the owner "
+    "node does not exist."
+)
+
+# One counter per process for RRef ids and fork ids alike (ids never repeat, not even after a
+# re-init); the reference numbers them the same way.
+_local_ids = itertools.count()
+
+
+class GloballyUniqueId:
+    """``(created_on, local_id)``: the worker that made the id and its per-process counter."""
+
+    __slots__ = ("created_on", "local_id")
+
+    def __init__(self, created_on: int, local_id: int) -> None:
+        self.created_on = created_on
+        self.local_id = local_id
+
+    @classmethod
+    def new(cls, worker_id: int) -> GloballyUniqueId:
+        return cls(worker_id, next(_local_ids))
+
+    def __repr__(self) -> str:
+        return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GloballyUniqueId):
+            return NotImplemented
+        return self.created_on == other.created_on and self.local_id == other.local_id
+
+    def __hash__(self) -> int:
+        return hash((self.created_on, self.local_id))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GloballyUniqueId, (self.created_on, self.local_id))
+
+
+class OwnerValue:
+    """The value of an OwnerRRef: set once, to a value or an error; waited for or called back.
+
+    The object is stored as it is (no conversion), so ``local_value()`` returns the very object
+    the creating function returned -- parameters keep their identity, which the distributed
+    optimizer relies on."""
+
+    __slots__ = ("_callbacks", "_done", "_error", "_lock", "_value", "timed_out")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[OwnerValue], None]] = []
+        self.timed_out = False
+
+    @classmethod
+    def of(cls, value: Any) -> OwnerValue:
+        holder = cls()
+        holder.set_value(value)
+        return holder
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def set_value(self, value: Any) -> None:
+        self._complete(value, None)
+
+    def set_error(self, error: BaseException) -> None:
+        self._complete(None, error)
+
+    def _complete(self, value: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._value, self._error = value, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def add_callback(self, callback: Callable[[OwnerValue], None]) -> None:
+        """Call ``callback(self)`` once the value is set (at once if it is)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The value (blocking until set), or raise the error it holds."""
+        if self.timed_out and not self._done.is_set():
+            raise RuntimeError(RREF_TIMED_OUT)
+        if not self._done.wait(timeout):
+            raise TimeoutError("the RRef's value was not set in time")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def result(self) -> Any:
+        """Like :meth:`wait` once done (never blocks)."""
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def as_future(self, transform: Callable[[Any], Any] | None = None) -> torch.futures.Future[Any]:
+        """A ``torch.futures.Future`` of the value (or of ``transform(value)``)."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+
+        def complete(holder: OwnerValue) -> None:
+            try:
+                value = holder.result()
+                future.set_result(transform(value) if transform is not None else value)
+            except BaseException as exc:
+                set_future_error(future, exc)
+
+        self.add_callback(complete)
+        return future
+
+
+class _Collecting(threading.local):
+    users: list[RRef[Any]] | None = None
+
+
+_collecting = _Collecting()
+
+
+class RRefContext:
+    """One worker's RRef tables (the reference's ``RRefContext``). Created with the agent,
+    destroyed by shutdown; every method is thread-safe."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.worker_id = agent.worker_info.id
+        self._lock = threading.Lock()
+        self._owners: dict[GloballyUniqueId, OwnerValue] = {}
+        self._forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
+        self._pending_users: dict[GloballyUniqueId, RRef[Any]] = {}
+        self._pending_children: dict[GloballyUniqueId, RRef[Any]] = {}
+        self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, RRef[Any]] = (
+            weakref.WeakValueDictionary()
+        )
+        # (owner id, rref id, fork id) of UserRRefs whose last handle was dropped. Appended from
+        # ``__del__`` (any thread, any time -- so no lock there), sent in batches per owner.
+        self._deletes: deque[tuple[int, GloballyUniqueId, GloballyUniqueId]] = deque()
+        self._flush_scheduled = False
+        self.pending_controls = 0
+        self.destroyed = False
+
+    def new_id(self) -> GloballyUniqueId:
+        return GloballyUniqueId.new(self.worker_id)
+
+    # -- owner side ------------------------------------------------------------------------------
+    def get_or_create_owner(self, rref_id: GloballyUniqueId) -> OwnerValue:
+        """The owner value of ``rref_id``, created empty if its creating call has not run yet
+        (a fork of it can arrive first)."""
+        with self._lock:
+            value = self._owners.get(rref_id)
+            if value is None:
+                value = self._owners[rref_id] = OwnerValue()
+            return value
+
+    def keep_owner(self, rref_id: GloballyUniqueId, value: OwnerValue) -> None:
+        """Register a locally created OwnerRRef's value (it is about to get its first fork)."""
+        with self._lock:
+            self._owners.setdefault(rref_id, value)
+
+    def add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        with self._lock:
+            self._forks.setdefault(rref_id, set()).add(fork_id)
+
+    def del_forks(self, pairs: list[tuple[GloballyUniqueId, GloballyUniqueId]]) -> None:
+        """Users are gone: forget their forks; an RRef with no fork left loses its table
+        entry (its value lives on only in local handles). Unknown forks are ignored."""
+        with self._lock:
+            for rref_id, fork_id in pairs:
+                forks = self._forks.get(rref_id)
+                if forks is None:
+                    continue
+                forks.discard(fork_id)
+                if not forks:
+                    del self._forks[rref_id]
+                    self._owners.pop(rref_id, None)
+
+    # -- user side -------------------------------------------------------------------------------
+    def add_pending_user(self, fork_id: GloballyUniqueId, rref: RRef[Any]) -> None:
+        with self._lock:
+            self._pending_users[fork_id] = rref
+
+    def confirm_user(self, fork_id: GloballyUniqueId, error: BaseException | None = None) -> None:
+        """The owner knows the user (or, with ``error``, never will): stop holding it."""
+        with self._lock:
+            rref = self._pending_users.pop(fork_id, None)
+        if rref is not None:
+            rref._settle(error)
+            if error is None:
+                self.add_confirmed_user(rref)
+
+    def add_confirmed_user(self, rref: RRef[Any]) -> None:
+        fork_id = rref._fork_id
+        assert fork_id is not None
+        with self._lock:
+            self._confirmed_users[fork_id] = rref
+
+    def add_pending_child(self, fork_id: GloballyUniqueId, parent: RRef[Any]) -> None:
+        with self._lock:
+            self._pending_children[fork_id] = parent
+
+    def del_pending_child(self, fork_id: GloballyUniqueId) -> None:
+        with self._lock:
+            self._pending_children.pop(fork_id, None)
+
+    def user_dropped(
+        self, owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId
+    ) -> None:
+        """A UserRRef's last handle is gone (called from ``__del__``: no locks, no I/O here)."""
+        self._deletes.append((owner, rref_id, fork_id))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            try:
+                self.agent.schedule(self.flush_deletes)
+            except Exception:  # the agent is stopping: the owner's tables go with it
+                self._flush_scheduled = False
+
+    def take_deletes(self) -> dict[int, list[tuple[GloballyUniqueId, GloballyUniqueId]]]:
+        """The dropped users not yet reported, by owner."""
+        self._flush_scheduled = False
+        batches: dict[int, list[tuple[GloballyUniqueId, GloballyUniqueId]]] = {}
+        while True:
+            try:
+                owner, rref_id, fork_id = self._deletes.popleft()
+            except IndexError:
+                return batches
+            batches.setdefault(owner, []).append((rref_id, fork_id))
+
+    def flush_deletes(self) -> list[torch.futures.Future[Any]]:
+        """Tell owners about the dropped users (one message per owner)."""
+        return [
+            self.control(owner, _user_deletes, (pairs,))
+            for owner, pairs in self.take_deletes().items()
+        ]
+
+    # -- control messages ------------------------------------------------------------------------
+    def control(
+        self,
+        dst: int,
+        handler: Callable[..., Any],
+        args: tuple[Any, ...],
+        then: Callable[[BaseException | None], None] | None = None,
+    ) -> torch.futures.Future[Any]:
+        """Send a protocol message (idempotent, so retried); ``then(error)`` runs when it is
+        answered or has failed for good."""
+        with self._lock:
+            self.pending_controls += 1
+        future = self.agent.send_with_retries(dst, handler, args)
+
+        def done(result: torch.futures.Future[Any]) -> None:
+            error: BaseException | None = None
+            try:
+                result.wait()
+            except BaseException as exc:
+                error = exc
+                _log.debug("RRef control message %s to %s failed: %s", handler.__name__, dst, exc)
+            try:
+                if then is not None:
+                    then(error)
+            finally:
+                with self._lock:
+                    self.pending_controls -= 1
+
+        future.add_done_callback(done)
+        return future
+
+    def request_fork(self, rref: RRef[Any], parent: int) -> None:
+        """A UserRRef received from a user (not the owner): ask the owner to register its fork;
+        once acknowledged, the user is confirmed and the parent may let go of it."""
+        fork_id = rref._fork_id
+        assert fork_id is not None
+        self.add_pending_user(fork_id, rref)
+
+        def acknowledged(error: BaseException | None) -> None:
+            self.confirm_user(fork_id, error)
+            if error is None:
+                self.control(parent, _child_accept, (fork_id,))
+
+        self.control(rref._owner.id, _fork_request, (rref._rref_id, fork_id), acknowledged)
+
+    # -- waiting for confirmations of RRefs received in a request --------------------------------
+    @staticmethod
+    @contextmanager
+    def collecting() -> Iterator[list[RRef[Any]]]:
+        """Collect the unconfirmed UserRRefs unpickled on this thread inside the block."""
+        previous = _collecting.users
+        users: list[RRef[Any]] = []
+        _collecting.users = users
+        try:
+            yield users
+        finally:
+            _collecting.users = previous
+
+    @staticmethod
+    def collect(rref: RRef[Any]) -> None:
+        users = _collecting.users
+        if users is not None:
+            users.append(rref)
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def _wait_for(self, condition: Callable[[], bool], deadline: float) -> bool:
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def delete_all_users(self, timeout: float) -> None:
+        """Graceful shutdown: let pending users and children settle, tell owners that every
+        user here is gone, and wait until the users elsewhere of what this worker owns are gone
+        too (the reference's ``_delete_all_user_and_unforked_owner_rrefs``). Time-outs are only
+        logged, as in the reference."""
+        deadline = time.monotonic() + timeout
+        if not self._wait_for(
+            lambda: not self._pending_users and not self._pending_children, deadline
+        ):
+            _log.warning(
+                "shutdown: %d pending UserRRefs and %d pending forks not settled in time",
+                len(self._pending_users),
+                len(self._pending_children),
+            )
+        with self._lock:
+            users = list(self._confirmed_users.values())
+            self._confirmed_users.clear()
+        for rref in users:
+            if not rref._deleted:
+                rref._deleted = True
+                assert rref._fork_id is not None
+                self._deletes.append((rref._owner.id, rref._rref_id, rref._fork_id))
+        futures = self.flush_deletes()
+        for future in futures:
+            left = deadline - time.monotonic()
+            if left <= 0 or not _wait_future(future, left):
+                _log.warning("shutdown: an RRef delete was not acknowledged in time")
+                break
+        if not self._wait_for(lambda: not self._forks, deadline):
+            _log.warning("shutdown: %d owned RRefs still have users", len(self._forks))
+
+    def destroy(self) -> list[tuple[GloballyUniqueId, GloballyUniqueId]]:
+        """Forget everything; return the forks that were still registered (leaks)."""
+        self.destroyed = True
+        with self._lock:
+            leaks = [(r, f) for r, forks in self._forks.items() for f in sorted(forks, key=repr)]
+            self._owners.clear()
+            self._forks.clear()
+            pending = list(self._pending_users.values())
+            self._pending_users.clear()
+            self._pending_children.clear()
+            self._confirmed_users.clear()
+        for rref in pending:
+            rref._settle(RuntimeError("RPC was shut down before the owner confirmed this RRef"))
+        return leaks
+
+    def debug_info(self) -> dict[str, str]:
+        """The reference's ``_rref_context_get_debug_info()`` (values are strings)."""
+        with self._lock:
+            return {
+                "num_owner_rrefs": str(len(self._owners)),
+                "num_pending_futures": str(self.pending_controls),
+                "num_pending_users": str(len(self._pending_users)),
+                "num_forks": str(sum(len(f) for f in self._forks.values())),
+            }
+
+
+def _context() -> RRefContext | None:
+    from ._agent import current_agent
+
+    agent = current_agent()
+    return agent.rrefs if agent is not None else None
+
+
+# -- handlers of the protocol messages (run on the receiving worker) ---------------------------
+def _fork_request(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+    """On the owner: a user forwarded the RRef; register the new user's fork."""
+    ctx = _context()
+    if ctx is not None:
+        ctx.add_fork(rref_id, fork_id)
+
+
+def _child_accept(fork_id: GloballyUniqueId) -> None:
+    """On a parent user: the owner knows the child now; stop holding the parent for it."""
+    ctx = _context()
+    if ctx is not None:
+        ctx.del_pending_child(fork_id)
+
+
+def _user_deletes(pairs: list[tuple[GloballyUniqueId, GloballyUniqueId]]) -> None:
+    """On the owner: these users are gone."""
+    ctx = _context()
+    if ctx is not None:
+        ctx.del_forks(pairs)
+
+
+def _wait_future(future: torch.futures.Future[Any], timeout: float) -> bool:
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())
+    return done.wait(timeout)
