@@ -51,7 +51,7 @@ from .._transport._transport import (
 )
 from .._wire._frames import Frame, Kind, encode_frame
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
-from . import _extension
+from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, is_builtin, set_future_error
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
@@ -236,6 +236,10 @@ class RpcAgent(FrameHandler):
 
         ``force`` asks the extension to record the call even without grad-requiring tensors
         (torch records every Python UDF call inside a context, but not builtin operators)."""
+        if _profiling.wants(func):  # the only cost of profiling support when it is off
+            return _profiling.call_sync(
+                self.call_sync, self.worker_info, dst, func, args, kwargs, timeout, force, internal
+            )
         cid, call = self._send(dst, (func, args, kwargs), timeout, None, internal, force)
         lock = call.lock
         assert lock is not None
@@ -269,6 +273,10 @@ class RpcAgent(FrameHandler):
         internal: bool = False,
     ) -> torch.futures.Future[Any]:
         """Send a request; return a ``torch.futures.Future`` of its result."""
+        if _profiling.wants(func):
+            return _profiling.call_async(
+                self.call_async, self.worker_info, dst, func, args, kwargs, timeout, force, internal
+            )
         future = RpcFuture()
         future._pool = self._workers
         cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)

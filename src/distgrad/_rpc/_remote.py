@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import RpcTimeoutError
+from . import _profiling
 from ._agent import RpcAgent
 from ._calls import set_future_error
 from ._functions import async_execution
@@ -42,9 +43,8 @@ def create_remote(
         ctx.keep_owner(rref_id, value)
         ctx.add_fork(rref_id, rref_id)
         rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
-        future = agent.call_async(
-            dst, _remote_exec, (rref_id, rref_id, func, args, kwargs), {}, timeout, force=force
-        )
+        call_args = (rref_id, rref_id, func, args, kwargs)
+        future = _create_call(agent, dst, func, call_args, timeout, force)
 
         def created_here(error: BaseException | None) -> None:
             if isinstance(error, RpcTimeoutError):
@@ -58,12 +58,26 @@ def create_remote(
     fork_id = ctx.new_id()
     rref = RRef._new_user(ctx, rref_id, fork_id, dst)
     ctx.add_pending_user(fork_id, rref)
-    future = agent.call_async(
-        dst, _remote_exec, (rref_id, fork_id, func, args, kwargs), {}, timeout, force=force
-    )
+    future = _create_call(agent, dst, func, (rref_id, fork_id, func, args, kwargs), timeout, force)
 
     rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
     return rref
+
+
+def _create_call(
+    agent: RpcAgent,
+    dst: WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...],
+    timeout: float,
+    force: bool,
+) -> torch.futures.Future[Any]:
+    """The creation call of ``remote``; under a profiler it is the ``rpc_remote#...`` range,
+    which ends when the creation is answered."""
+    with _profiling.key_scope("remote", func, agent.worker_info, dst) as scope:
+        future = agent.call_async(dst, _remote_exec, args, {}, timeout, force=force)
+        scope.end_on(future)
+    return future
 
 
 def _after(

@@ -5,6 +5,9 @@ from __future__ import annotations
 # As torch.distributed.rpc does with torch.distributed.autograd: an RPC worker always records
 # distributed autograd (importing it installs the recording into the RPC layer).
 from .. import autograd as _autograd  # noqa: F401
+
+# Profiling across workers rides on the same kind of hook (distgrad.profiler installs it).
+from .. import profiler as _profiler  # noqa: F401
 from .._errors import (
     DistgradError,
     HandshakeError,

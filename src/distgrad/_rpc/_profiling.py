@@ -1,0 +1,180 @@
+"""The hook through which profiling (layer 5) rides along with calls.
+
+``distgrad.profiler`` implements :class:`CallProfiler` and installs it with
+:func:`set_profiler`; the RPC layer never imports it. The call path pays one check,
+:func:`wants`: is a profiler installed *and* is torch's profiler enabled on this thread
+(``torch.autograd._profiler_enabled()``, a C call of about 0.1 us). When it is not, nothing
+else happens: no ``record_function``, no extra pickling, the request carries no profiling flag.
+
+When it is, the agent hands the call to the profiler, which re-issues it through the same
+agent method as a call of :func:`serve` (or :func:`serve_async`) with the original function as
+an argument: the *request is the flag*. The callee runs it under a thread-local profiler and
+answers ``(result, remote profile)``; the caller's profiler unwraps the result and keeps the
+remote events.
+
+:func:`key_scope` lets an API above the agent name its call itself (``rpc.remote`` records
+``rpc_remote#...`` and the creation call it makes inherits that key)::
+
+    with _profiling.key_scope("remote", func, dst) as scope:
+        future = agent.call_async(dst, ...)
+        scope.end_on(future)  # the range ends when the future completes (else at block exit)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from ._functions import async_execution
+from ._worker_info import WorkerInfo
+
+__all__ = [
+    "CallProfiler",
+    "KeyScope",
+    "call_async",
+    "call_sync",
+    "get_profiler",
+    "key_scope",
+    "serve",
+    "serve_async",
+    "set_profiler",
+    "wants",
+]
+
+_autograd: Any = torch.autograd
+_profiler_enabled: Callable[[], bool] = _autograd._profiler_enabled
+
+
+class KeyScope(AbstractContextManager["KeyScope"]):
+    """What :func:`key_scope` returns; this base class is the no-op used when not profiling."""
+
+    def end_on(self, future: torch.futures.Future[Any]) -> None:
+        """End the scope's range when ``future`` completes instead of at block exit."""
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SCOPE = KeyScope()
+
+
+class CallProfiler(Protocol):
+    def call_sync(
+        self,
+        send: Callable[..., Any],
+        me: WorkerInfo,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        force: bool,
+        internal: bool,
+    ) -> Any:
+        """Caller thread: make the call through ``send`` (the agent's ``call_sync``), profiled."""
+
+    def call_async(
+        self,
+        send: Callable[..., torch.futures.Future[Any]],
+        me: WorkerInfo,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        force: bool,
+        internal: bool,
+    ) -> torch.futures.Future[Any]:
+        """Caller thread: as :meth:`call_sync`, through the agent's ``call_async``."""
+
+    def serve(self, request: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        """Callee: run ``func`` profiled; return ``(result, remote profile)``."""
+
+    def serve_async(
+        self, request: Any, func: Any, args: Any, kwargs: Any
+    ) -> torch.futures.Future[Any]:
+        """Callee: as :meth:`serve` for an ``@async_execution`` function."""
+
+    def key_scope(self, kind: str, func: Any, me: WorkerInfo, dst: WorkerInfo) -> KeyScope:
+        """Caller thread: a range named for ``kind`` that the next call on this thread uses."""
+
+
+_profiler: CallProfiler | None = None
+
+
+def set_profiler(profiler: CallProfiler | None) -> None:
+    global _profiler
+    _profiler = profiler
+
+
+def get_profiler() -> CallProfiler | None:
+    return _profiler
+
+
+def wants(func: object) -> bool:
+    """The one check on the call path: should this call be profiled?"""
+    return (
+        _profiler is not None
+        and _profiler_enabled()
+        and func is not serve
+        and func is not serve_async
+    )
+
+
+def _require() -> CallProfiler:
+    if _profiler is None:  # a profiled request reached a worker without distgrad.profiler
+        raise RuntimeError("distgrad.profiler is not installed on this worker")
+    return _profiler
+
+
+def serve(request: Any, func: Any, args: Any, kwargs: Any) -> Any:
+    """What a profiled request calls on the callee (see the module docstring)."""
+    return _require().serve(request, func, args, kwargs)
+
+
+@async_execution
+def serve_async(request: Any, func: Any, args: Any, kwargs: Any) -> torch.futures.Future[Any]:
+    """:func:`serve` for ``@async_execution`` functions."""
+    return _require().serve_async(request, func, args, kwargs)
+
+
+def key_scope(kind: str, func: Any, me: WorkerInfo, dst: WorkerInfo) -> KeyScope:
+    """A ``rpc_{kind}#...`` range for a call made by an API above the agent (``remote``):
+    inside it, the next profiled call on this thread is recorded under that key instead of
+    its own. A no-op object when not profiling (one check)."""
+    if _profiler is None or not _profiler_enabled():
+        return _NO_SCOPE
+    return _profiler.key_scope(kind, func, me, dst)
+
+
+def call_sync(
+    send: Callable[..., Any],
+    me: WorkerInfo,
+    dst: WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    force: bool,
+    internal: bool,
+) -> Any:
+    """The agent's ``call_sync`` when :func:`wants` said yes."""
+    return _require().call_sync(send, me, dst, func, args, kwargs, timeout, force, internal)
+
+
+def call_async(
+    send: Callable[..., torch.futures.Future[Any]],
+    me: WorkerInfo,
+    dst: WorkerInfo,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    force: bool,
+    internal: bool,
+) -> torch.futures.Future[Any]:
+    """The agent's ``call_async`` when :func:`wants` said yes."""
+    return _require().call_async(send, me, dst, func, args, kwargs, timeout, force, internal)

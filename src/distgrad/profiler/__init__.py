@@ -1,0 +1,34 @@
+"""Profiling across workers: ``import distgrad.profiler``.
+
+RPCs made while torch's profiler is enabled -- ``torch.profiler.profile`` (Kineto),
+``torch.autograd.profiler.profile`` or the legacy ``torch.autograd.profiler_legacy.profile``
+-- are recorded as ``rpc_{sync|async|remote}#{func}({caller} -> {callee})`` ranges, and what
+the callee did for them comes back as ``{key}#remote_op: {name}`` events with the callee's
+rank as ``node_id``. :class:`profile` wraps either profiler and writes one Chrome/Perfetto
+trace with a track per worker (:meth:`profile.export_chrome_trace`). See docs/profiling.md.
+
+Importing this module (``distgrad.rpc`` does) installs the profiling hook into the RPC layer
+and into torch's profiler classes.
+"""
+
+from __future__ import annotations
+
+from .._profiler._hook import install as _install
+from .._profiler._keys import RPCExecMode, build_rpc_profiling_key
+from .._profiler._profile import clock_offsets, export_chrome_trace, profile
+
+__all__ = [
+    "RPCExecMode",
+    "build_rpc_profiling_key",
+    "clock_offsets",
+    "export_chrome_trace",
+    "profile",
+]
+
+#: torch's name (``torch.distributed.rpc.internal._build_rpc_profiling_key``)
+_build_rpc_profiling_key = build_rpc_profiling_key
+
+_install()
+
+for _obj in (RPCExecMode, profile):
+    _obj.__module__ = __name__
