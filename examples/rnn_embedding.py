@@ -25,6 +25,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -37,6 +38,10 @@ from distgrad.optim import DistributedOptimizer
 
 WORLD_SIZE = 2
 TOLERANCE = 1e-5
+# rpc.remote() returns at once, so "ps" may build the embedding and the decoder on two RPC
+# threads at the same time; seeding torch's global generator and drawing from it must not
+# interleave, or the weights would depend on thread timing.
+_init_lock = threading.Lock()
 
 
 # -- the remote parts (created on "ps") ----------------------------------------------------------
@@ -49,12 +54,16 @@ class RemotePart(nn.Module):
         grads = dist_autograd.get_gradients(context_id)
         return [grads[p] for p in self.parameters()]
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.state_dict().items()}
+
 
 class EmbeddingTable(RemotePart):
     def __init__(self, ntoken: int, ninp: int, sparse: bool, seed: int) -> None:
         super().__init__()
-        torch.manual_seed(seed)
-        self.encoder = nn.Embedding(ntoken, ninp, sparse=sparse)
+        with _init_lock:
+            torch.manual_seed(seed)
+            self.encoder = nn.Embedding(ntoken, ninp, sparse=sparse)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.encoder(tokens)  # type: ignore[no-any-return]
@@ -63,8 +72,9 @@ class EmbeddingTable(RemotePart):
 class Decoder(RemotePart):
     def __init__(self, ntoken: int, nhid: int, seed: int) -> None:
         super().__init__()
-        torch.manual_seed(seed)
-        self.decoder = nn.Linear(nhid, ntoken)
+        with _init_lock:
+            torch.manual_seed(seed)
+            self.decoder = nn.Linear(nhid, ntoken)
 
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         return self.decoder(output)  # type: ignore[no-any-return]
@@ -136,7 +146,9 @@ def gradient_check(model: RNNModel, args: argparse.Namespace, seq: torch.Tensor)
         distributed += [mine[p] for p in model.rnn.parameters()]
         distributed += model.decoder_rref.rpc_sync().gradients(context_id)
     emb = EmbeddingTable(args.vocab, args.embed, args.sparse, args.seed)
+    emb.load_state_dict(model.emb_table_rref.rpc_sync().state())
     dec = Decoder(args.vocab, args.hidden, args.seed + 2)
+    dec.load_state_dict(model.decoder_rref.rpc_sync().state())
     output, _ = local_rnn(emb(seq[:-1]), model.init_hidden(args.batch_size))
     lm_loss(dec(output), seq[1:]).backward()
     local = [*emb.parameters(), *local_rnn.parameters(), *dec.parameters()]
