@@ -1,0 +1,206 @@
+"""Write docs/api.md, the API reference of distgrad's public modules, from the docstrings.
+
+    python scripts/gen_api_docs.py           # rewrite docs/api.md
+    python scripts/gen_api_docs.py --check   # exit 1 if docs/api.md is out of date
+
+For each public module (``distgrad.rpc``, ``distgrad.autograd``, ``distgrad.optim``,
+``distgrad.nn``, and ``distgrad.profiler`` when it exists) every name in ``__all__`` is listed
+with its signature and docstring; classes also list their public methods and properties
+(those defined by distgrad, not the ones inherited from torch or ``object``); submodules in
+``__all__`` (``rpc.api``, ``rpc.constants``, ``rpc.functions``) get their own section.
+tests/unit/test_api_docs.py fails when the file is out of date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib
+import inspect
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+OUTPUT = REPO / "docs" / "api.md"
+MODULES = [
+    "distgrad.rpc",
+    "distgrad.autograd",
+    "distgrad.optim",
+    "distgrad.nn",
+    "distgrad.profiler",
+]
+PAGES = {  # hand-written pages that say more about a module
+    "distgrad.optim": "optim.md",
+    "distgrad.nn": "nn.md",
+}
+
+HEADER = """\
+# API reference
+
+Generated from the docstrings by `scripts/gen_api_docs.py` -- do not edit by hand; run
+`python scripts/gen_api_docs.py` after changing a public docstring or signature
+(`tests/unit/test_api_docs.py` fails while this page is out of date).
+
+Only the names in each module's `__all__` are listed. The torch-compatible private names a
+drop-in needs (`rpc._set_rpc_timeout`, `rpc._wait_all`, `autograd._new_context`, ...) exist
+as well; see [migration.md](migration.md).
+"""
+
+
+def _doc(obj: Any) -> str:
+    doc = inspect.getdoc(obj)
+    return doc.strip() if doc else "*(no docstring)*"
+
+
+def _signature(obj: Any) -> str:
+    """``(a: int = 1, *, b: str) -> None``, annotations as written in the source."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "(...)"
+    params = []
+    for param in sig.parameters.values():
+        text = str(param.replace(annotation=inspect.Parameter.empty))
+        if param.annotation is not inspect.Parameter.empty:
+            name, _, default = text.partition("=")
+            text = f"{name}: {_annotation(param.annotation)}" + (f" = {default}" if default else "")
+        params.append(text)
+    # re-insert the markers str(Signature) would write for positional-only / keyword-only
+    kinds = [p.kind for p in sig.parameters.values()]
+    out: list[str] = []
+    for i, (text, kind) in enumerate(zip(params, kinds, strict=True)):
+        first_keyword_only = kind == inspect.Parameter.KEYWORD_ONLY and (
+            i == 0 or kinds[i - 1] != inspect.Parameter.KEYWORD_ONLY
+        )
+        if first_keyword_only and inspect.Parameter.VAR_POSITIONAL not in kinds:
+            out.append("*")
+        out.append(text)
+        if kind == inspect.Parameter.POSITIONAL_ONLY and (
+            i + 1 == len(kinds) or kinds[i + 1] != inspect.Parameter.POSITIONAL_ONLY
+        ):
+            out.append("/")
+    result = f"({', '.join(out)})"
+    if sig.return_annotation is not inspect.Signature.empty:
+        result += f" -> {_annotation(sig.return_annotation)}"
+    return result
+
+
+def _annotation(annotation: Any) -> str:
+    if isinstance(annotation, str):
+        return annotation
+    return inspect.formatannotation(annotation)
+
+
+def _own_members(cls: type) -> list[tuple[str, Any]]:
+    """Public methods and properties defined by ``cls`` or its distgrad base classes."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not klass.__module__.startswith("distgrad"):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("_") and name != "__init__":
+                continue
+            found[name] = value
+    return sorted(found.items(), key=lambda item: (item[0] != "__init__", item[0]))
+
+
+def _render_class(lines: list[str], qualname: str, cls: type) -> None:
+    bases = [b.__module__ + "." + b.__qualname__ for b in cls.__bases__ if b is not object]
+    plain = issubclass(cls, (BaseException, enum.Enum)) and "__init__" not in vars(cls)
+    signature = "" if plain else _signature(cls)
+    lines.append(f"### class `{qualname}{signature}`\n")
+    if bases:
+        lines.append("Bases: " + ", ".join(f"`{b}`" for b in bases) + "\n")
+    lines.append(_doc(cls) + "\n")
+    if issubclass(cls, enum.Enum):
+        lines.append("Members: " + ", ".join(f"`{m.name}`" for m in cls) + "\n")
+        return
+    same_doc: dict[str, list[str]] = {}  # methods that share one docstring: listed together
+    for name, value in _own_members(cls):
+        if inspect.isfunction(value):
+            same_doc.setdefault(_doc(value), []).append(name)
+    grouped = {doc: names for doc, names in same_doc.items() if len(names) > 2}
+    for doc, names in grouped.items():
+        lines.append(f"#### {', '.join(f'`{n}`' for n in names)}\n")
+        lines.append(doc + "\n")
+    for name, value in _own_members(cls):
+        if name == "__init__" or (inspect.isfunction(value) and _doc(value) in grouped):
+            continue
+        if isinstance(value, property):
+            lines.append(f"#### property `{qualname}.{name}`\n")
+            lines.append(_doc(value) + "\n")
+        elif isinstance(value, (staticmethod, classmethod)):
+            kind = "staticmethod" if isinstance(value, staticmethod) else "classmethod"
+            func = value.__func__
+            lines.append(f"#### {kind} `{qualname}.{name}{_signature(getattr(cls, name))}`\n")
+            lines.append(_doc(func) + "\n")
+        elif inspect.isfunction(value):
+            lines.append(f"#### method `{qualname}.{name}{_signature(value)}`\n")
+            lines.append(_doc(value) + "\n")
+
+
+def _render_module(
+    lines: list[str], module: types.ModuleType, level: int, seen: dict[int, str]
+) -> None:
+    lines.append(f"{'#' * level} `{module.__name__}`\n")
+    lines.append(_doc(module) + "\n")
+    page = PAGES.get(module.__name__)
+    if page:
+        lines.append(f"More, with examples and the differences from torch: [{page}]({page}).\n")
+    submodules = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        qualname = f"{module.__name__}.{name}"
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and id(obj) in seen:
+            lines.append(f"### `{qualname}`\n")
+            lines.append(f"The same object as `{seen[id(obj)]}`.\n")
+            continue
+        seen.setdefault(id(obj), qualname)
+        if isinstance(obj, types.ModuleType):
+            submodules.append(obj)
+        elif inspect.isclass(obj):
+            _render_class(lines, qualname, obj)
+        elif callable(obj):
+            lines.append(f"### `{qualname}{_signature(obj)}`\n")
+            lines.append(_doc(obj) + "\n")
+        else:
+            lines.append(f"### `{qualname} = {obj!r}`\n")
+    for sub in submodules:
+        _render_module(lines, sub, level + 1, seen)
+
+
+def render() -> str:
+    """The whole page."""
+    lines = [HEADER]
+    seen: dict[int, str] = {}
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # an optional module this tree does not have
+                continue
+            raise
+        _render_module(lines, module, 2, seen)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check docs/api.md")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "src"))
+    text = render()
+    if args.check:
+        if OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is out of date: run python scripts/gen_api_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
