@@ -197,3 +197,40 @@ def test_large_transfers_crossing_both_ways_over_tcp() -> None:
     directions busy)."""
     results = run_workers(crossing_transfers, 2, timeout=60, env={"DISTGRAD_UNIX_SOCKETS": "0"})
     assert results == {0: "ok", 1: "ok"}
+
+
+def device_tensor(device: str) -> torch.Tensor:
+    return torch.ones(3, device=device)
+
+
+def device_tensors_refused(rank: int, world_size: int, device: str) -> str:
+    if rank != 0:
+        return "served"
+    on_device = torch.ones(3, device=device)
+    expected = (
+        "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors "
+        "to CPU before sending them over RPC, or call `set_device_map` on "
+        "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. Request device "
+        f"mapping is not available for destination worker1, but found tensor on device: {device}"
+    )
+    with pytest.raises(RuntimeError) as request_error:
+        rpc.rpc_sync("worker1", echo, (on_device,))
+    assert str(request_error.value) == expected.replace(f"{device}", str(on_device.device))
+    with pytest.raises(RuntimeError, match="Response device mapping is not available for "
+                       "destination worker0, but found tensor on device"):  # fmt: skip
+        rpc.rpc_sync("worker1", device_tensor, (device,))
+    # the peer and the connection are fine
+    assert torch.equal(rpc.rpc_sync("worker1", echo, (torch.ones(3),)), torch.ones(3))
+    return "ok"
+
+
+def test_non_cpu_tensors_get_the_reference_error() -> None:
+    """A tensor on another device (meta here; CUDA takes the same path) in a request or a
+    response fails that call with the reference's CPU-only error; the peer keeps serving."""
+    assert run_workers(device_tensors_refused, 2, kwargs={"device": "meta"})[0] == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_get_the_reference_error() -> None:
+    """The same with a CUDA tensor (skipped without a GPU)."""
+    assert run_workers(device_tensors_refused, 2, kwargs={"device": "cuda"})[0] == "ok"

@@ -66,6 +66,11 @@ _TICK = 0.02  # resolution of rpc_async timeouts, seconds
 
 AnyConnection = Connection | LoopbackConnection
 
+_CPU_ONLY = (
+    "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
+    "CPU before sending them over RPC, or call `set_device_map` on "
+    "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+)
 _UDF_MISSING = (
     "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
     "both caller and callee modules."
@@ -107,6 +112,7 @@ class RpcAgent(FrameHandler):
         #: called (on a callback thread) with the rank and error of every peer found dead
         self.peer_failure_listeners: list[Callable[[int, Exception], None]] = []
         self.rrefs = RRefContext(self)
+        self._device_checks: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
         self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
 
     # -- start -----------------------------------------------------------------------------------
@@ -197,11 +203,14 @@ class RpcAgent(FrameHandler):
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
         extension = _extension.get_extension()
+        check = self._device_check("Request", dst.id)
         if extension is None or internal or not extension.active():
-            encoded = encode(payload)
+            encoded = encode(payload, device_check=check)
         else:
             encoded = encode(
-                payload, lambda tensors: extension.outgoing_request(dst.id, tensors, force)
+                payload,
+                lambda tensors: extension.outgoing_request(dst.id, tensors, force),
+                check,
             )
         self._check_size(encoded)
         cid = next(self._ids)
@@ -535,13 +544,16 @@ class RpcAgent(FrameHandler):
 
     def _reply(self, conn: AnyConnection, message_id: int, result: Any, state: Any) -> None:
         extension = _extension.get_extension()
+        peer = conn.peer
+        check = self._device_check("Response", peer)
         try:
             if state is None or extension is None:
-                encoded = encode(result)
+                encoded = encode(result, device_check=check)
             else:
-                peer = conn.peer
                 encoded = encode(
-                    result, lambda tensors: extension.outgoing_response(state, peer, tensors)
+                    result,
+                    lambda tensors: extension.outgoing_response(state, peer, tensors),
+                    check,
                 )
             self._check_size(encoded)
         except BaseException as exc:
@@ -551,6 +563,33 @@ class RpcAgent(FrameHandler):
             conn,
             encode_frame(Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, encoded.flags),
         )
+
+    def _device_check(self, direction: str, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What the pickler calls for a tensor that is not on the CPU: distgrad moves only CPU
+        tensors (device maps are accepted, not applied yet), so it raises the reference's error
+        for a destination without a device map -- instead of letting torch's own pickling copy
+        the tensor through the CPU and rebuild it on whatever device the receiver has."""
+        key = (direction, rank)
+        check = self._device_checks.get(key)
+        if check is None:
+            info = self._by_rank.get(rank)
+            name = info.name if info is not None else str(rank)
+            mapped = name in self.options.device_maps
+
+            def refuse(tensor: torch.Tensor) -> torch.Tensor:
+                if mapped:
+                    raise RuntimeError(
+                        f"distgrad does not move {tensor.device} tensors over RPC yet: device "
+                        f"maps are accepted but not applied (destination {name}); move the "
+                        "tensor to the CPU before sending it"
+                    )
+                raise RuntimeError(
+                    f"{_CPU_ONLY}{direction} device mapping is not available for destination "
+                    f"{name}, but found tensor on device: {tensor.device}"
+                )
+
+            check = self._device_checks[key] = refuse
+        return check
 
     def _check_size(self, encoded: Encoded) -> None:
         """Refuse to send what the peer would refuse to receive (it would drop the connection:
