@@ -29,6 +29,14 @@ def ring_async_hop(path: list[str], x: torch.Tensor) -> torch.Tensor:
     return rpc.rpc_async(path[0], ring_async_hop, (path[1:], x + 1)).wait()  # type: ignore[no-any-return]
 
 
+def ring_then_hop(path: list[str], x: torch.Tensor) -> torch.Tensor:
+    """As ``ring_async_hop``, but each hop waits on a future chained with ``then``."""
+    if not path:
+        return x + 1
+    future = rpc.rpc_async(path[0], ring_then_hop, (path[1:], x + 1))
+    return future.then(lambda done: done.wait()).wait()  # type: ignore[no-any-return]
+
+
 @rpc.functions.async_execution
 def async_add_then_double(dst: str, x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return rpc.rpc_async(dst, torch.add, (x, 1)).then(lambda fut: fut.wait() * 2)
@@ -73,6 +81,9 @@ def nested_program(rank: int, world_size: int) -> str:
     x = torch.zeros(2)
     me = f"worker{rank}"
     nxt, after = f"worker{(rank + 1) % 3}", f"worker{(rank + 2) % 3}"
+    # first, while each worker has only its 2 threads (the pool keeps threads it started for
+    # blocked waits): a 10-hop chain whose hops wait on futures chained with then()
+    assert torch.equal(rpc.rpc_sync(nxt, ring_then_hop, ([me, nxt] * 5, x)), x + 11)
     # a full ring back to the caller: worker0 -> worker1 -> worker2 -> worker0
     out, visited = rpc.rpc_sync(nxt, ring, ([after, me], x, [me]))
     assert torch.equal(out, x + 3), out
@@ -92,7 +103,8 @@ def nested_program(rank: int, world_size: int) -> str:
 
 def test_nested_rings_and_more_concurrent_nested_calls_than_threads() -> None:
     """On 3 workers with 2 worker threads each, every worker at once runs rings back to
-    itself (0->1->2->0), 10-hop chains (hops waiting in rpc_sync, or on rpc_async futures),
+    itself (0->1->2->0), 10-hop chains (hops waiting in rpc_sync, on rpc_async futures, or on
+    futures chained with then()),
     and 12 concurrent 4-hop nested calls: all complete
     with the right results and paths (torch's agent would deadlock here)."""
     results = run_workers(nested_program, 3, timeout=60, options={"num_worker_threads": 2})

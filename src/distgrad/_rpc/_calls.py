@@ -82,6 +82,25 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
         finally:
             pool.exit_blocking()
 
+    def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future[Any]:
+        """As ``torch.futures.Future.then``, but the chained future is one of these too (its
+        ``wait()`` frees the pool slot as well), and an exception raised by ``callback`` keeps
+        its type (torch's wraps it in a RuntimeError "Got the following error when running the
+        callback")."""
+        chained = RpcFuture()
+        chained._pool = self._pool
+
+        def run(done: torch.futures.Future[Any]) -> None:
+            try:
+                value = callback(done)
+            except BaseException as exc:
+                set_future_error(chained, exc)
+            else:
+                chained.set_result(value)
+
+        self.add_done_callback(run)
+        return chained
+
 
 class _Call:
     """One outgoing request waiting for its response."""
