@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import multiprocessing as mp
 import os
-import secrets
-import socket
 import sys
 import threading
 import time
-from multiprocessing.connection import wait
 
 import torch
+from _local import spawn_workers  # examples/_local.py: start the workers locally
 from torch import nn
 
 import distgrad.autograd as dist_autograd
@@ -210,36 +207,6 @@ def worker(rank: int, world_size: int, init_method: str, args: argparse.Namespac
         sys.exit(1)
 
 
-def spawn_workers(world_size: int, args: argparse.Namespace) -> int:
-    """Start ``world_size`` local worker processes; return 0 if all of them succeed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))  # inherited by the workers
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=worker, args=(rank, world_size, f"tcp://127.0.0.1:{port}", args))
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.timeout
-    try:  # wait for all; stop early if one fails (the others would wait for it forever)
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-    if any(p.exitcode != 0 for p in procs):
-        print(f"failed: exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
@@ -258,7 +225,7 @@ def main() -> int:
         return 0
     if args.trainers < 1:
         parser.error("--trainers must be at least 1")
-    return spawn_workers(args.trainers + 1, args)
+    return spawn_workers(worker, args.trainers + 1, args)
 
 
 if __name__ == "__main__":
