@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from .._rpc import _profiling
 from .._rpc._profiling import KeyScope
@@ -17,45 +14,16 @@ __all__ = ["RpcProfiling", "install"]
 
 
 class RpcProfiling:
-    """Profiles RPCs made while torch's profiler is enabled on the calling thread."""
+    """Profiles RPCs made while torch's profiler is enabled on the calling thread: the RPC
+    layer's hook is this module's functions, under the names the hook protocol uses."""
 
-    def call_sync(
-        self,
-        send: Callable[..., Any],
-        me: WorkerInfo,
-        dst: WorkerInfo,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-        force: bool,
-        internal: bool,
-    ) -> Any:
-        return _caller.call_sync(send, me, dst, func, args, kwargs, timeout, force, internal)
+    call_sync = staticmethod(_caller.call_sync)
+    call_async = staticmethod(_caller.call_async)
+    serve = staticmethod(_callee.serve)
+    serve_async = staticmethod(_callee.serve_async)
 
-    def call_async(
-        self,
-        send: Callable[..., torch.futures.Future[Any]],
-        me: WorkerInfo,
-        dst: WorkerInfo,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-        force: bool,
-        internal: bool,
-    ) -> torch.futures.Future[Any]:
-        return _caller.call_async(send, me, dst, func, args, kwargs, timeout, force, internal)
-
-    def serve(self, request: Any, func: Any, args: Any, kwargs: Any) -> Any:
-        return _callee.serve(request, func, args, kwargs)
-
-    def serve_async(
-        self, request: Any, func: Any, args: Any, kwargs: Any
-    ) -> torch.futures.Future[Any]:
-        return _callee.serve_async(request, func, args, kwargs)
-
-    def key_scope(self, kind: str, func: Any, me: WorkerInfo, dst: WorkerInfo) -> KeyScope:
+    @staticmethod
+    def key_scope(kind: str, func: Any, me: WorkerInfo, dst: WorkerInfo) -> KeyScope:
         key = build_rpc_profiling_key(kind, func_name(func), me.name, dst.name)
         return _caller.ProfiledKeyScope(key)
 

@@ -464,11 +464,11 @@ class RpcAgent(FrameHandler):
             states.append(state)
             return tensors
 
+        previous = RRefContext.start_collecting()
         try:
-            with RRefContext.collecting() as unconfirmed:
-                _ext, (func, args, kwargs) = decode(
-                    frame.meta, frame.buffers, frame.flags, on_table if extension else None
-                )
+            _ext, (func, args, kwargs) = decode(
+                frame.meta, frame.buffers, frame.flags, on_table if extension else None
+            )
         except (AttributeError, ImportError) as exc:
             self._reply_error(conn, frame.message_id, RuntimeError(f"{_UDF_MISSING} ({exc!r})"))
             return
@@ -477,6 +477,8 @@ class RpcAgent(FrameHandler):
                 conn, frame.message_id, RuntimeError(f"could not unpickle the request: {exc!r}")
             )
             return
+        finally:
+            unconfirmed = RRefContext.stop_collecting(previous)
         del frame.buffers[:]
         if unconfirmed:  # RRefs in the arguments: run once their owners know them
             try:

@@ -29,8 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -332,17 +331,22 @@ class RRefContext:
         self.control(rref._owner.id, _fork_request, (rref._rref_id, fork_id), acknowledged)
 
     # -- waiting for confirmations of RRefs received in a request --------------------------------
+    # Plain calls, not a context manager: the agent brackets every request's unpickling with
+    # them, on the per-message path.
     @staticmethod
-    @contextmanager
-    def collecting() -> Iterator[list[RRef[Any]]]:
-        """Collect the unconfirmed UserRRefs unpickled on this thread inside the block."""
+    def start_collecting() -> list[RRef[Any]] | None:
+        """From now on, collect the unconfirmed UserRRefs unpickled on this thread; returns
+        what :meth:`stop_collecting` needs to restore."""
         previous = _collecting.users
-        users: list[RRef[Any]] = []
-        _collecting.users = users
-        try:
-            yield users
-        finally:
-            _collecting.users = previous
+        _collecting.users = []
+        return previous
+
+    @staticmethod
+    def stop_collecting(previous: list[RRef[Any]] | None) -> list[RRef[Any]]:
+        """The UserRRefs collected since :meth:`start_collecting`."""
+        users = _collecting.users
+        _collecting.users = previous
+        return users if users is not None else []
 
     @staticmethod
     def collect(rref: RRef[Any]) -> None:
