@@ -170,7 +170,7 @@ def test_frames_after_a_large_one_share_its_last_read() -> None:
 # -- bad input ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 6, 99, 255])
+@pytest.mark.parametrize("kind", [0, 7, 99, 255])
 @pytest.mark.parametrize("whole", [True, False], ids=["whole-frame", "header-only"])
 def test_unknown_kind_is_a_protocol_error(kind: int, whole: bool) -> None:
     """An unknown frame kind raises ProtocolError, whether or not the frame body has arrived."""

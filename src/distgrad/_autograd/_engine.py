@@ -43,7 +43,7 @@ import torch
 
 from .._errors import DistgradError
 from .._rpc._agent import current_agent
-from .._rpc._functions import async_execution
+from .._rpc._functions import async_execution, on_io_thread
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import RecvRecord, SendRecord
 
@@ -67,6 +67,15 @@ def _done_future() -> torch.futures.Future[None]:
     future: torch.futures.Future[None] = torch.futures.Future()
     future.set_result(None)
     return future
+
+
+class _Answer:
+    """For the driving thread: the answer to one of its first messages."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
 
 
 class _Source:
@@ -119,13 +128,13 @@ class Pass:
         self.worker_id = CONTAINER.worker_id
         self.sources: dict[int, _Source] = {}
         self.recvs: dict[int, _RecvState] = {}
-        self.outstanding: set[torch.futures.Future[Any]] = set()
+        self.outstanding = 0  # first messages sent whose answer has not come yet
         # workers known to take part: those messaged, and those a message came from
         self.in_touch: set[int] = set()
         self.heard_from: set[int] = set()
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
-        #: on the worker that called backward: gradient messages for its thread to run
+        #: on the worker that called backward: gradient messages and answers for its thread
         self.driver: queue.SimpleQueue[Any] | None = None
         self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
 
@@ -285,33 +294,36 @@ class Pass:
             raise BackwardError(
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
-        future = agent.call_async(agent.get_worker_info(worker), func, args, {}, 0, internal=True)
-        self.in_touch.add(worker)
         if worker in self.heard_from:
-            # It already takes part, so this is not its first message: the answer comes at once
-            # and says nothing about the work it causes, which that worker's own part covers.
-            # Waiting for it would only add a round trip before this part can complete.
-            future.add_done_callback(self._on_late_reply)
+            # It already takes part, so this is not its first message: it needs no answer
+            # (one would say nothing about the work it causes, which that worker's own part
+            # covers, and waiting for it would add a round trip). A one-way message; a failure
+            # there fails that worker's part, which reaches the caller of backward through its
+            # own first message's answer; a lost peer is reported by the agent.
+            assert func is _grad_message  # START goes only to workers not in touch yet
+            agent.notify(worker, _late_grad_message, args)
             return
-        self.outstanding.add(future)
-        future.add_done_callback(self._on_reply)
+        agent.call_internal(worker, func, args, self._on_answer)
+        self.in_touch.add(worker)
+        self.outstanding += 1
 
-    def _on_late_reply(self, future: torch.futures.Future[Any]) -> None:
-        try:
-            future.wait()
-        except Exception as exc:
-            with self.ctx.lock:
-                self.fail(exc)
+    def _on_answer(self, _result: Any, error: BaseException | None) -> None:
+        """The answer to a first message (on the I/O thread: quick, no lock here)."""
+        driver = self.driver
+        if driver is not None:
+            driver.put(_Answer(error))
+            return
+        agent = current_agent()
+        if agent is not None:
+            agent.schedule(lambda: self._answered(error))
 
-    def _on_reply(self, future: torch.futures.Future[Any]) -> None:
+    def _answered(self, error: BaseException | None) -> None:
         with self.ctx.lock:
-            self.outstanding.discard(future)
-            try:
-                future.wait()
-            except Exception as exc:
-                self.fail(exc)
-                return
-            self._check_done()
+            self.outstanding -= 1
+            if error is not None:
+                self.fail(error)
+            else:
+                self._check_done()
 
     # -- resolution and completion ---------------------------------------------------------------
     def resolve(self, key: int) -> None:
@@ -354,7 +366,7 @@ class Pass:
         self._flush_recvs()
 
     def _check_done(self) -> None:
-        if self.finished or self.outstanding:
+        if self.finished or self.outstanding > 0:
             return
         if not all(s.resolved for s in self.sources.values()):
             return
@@ -436,19 +448,25 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     driver = current.driver
     assert driver is not None
     while not current.finished:
-        item = driver.get()
-        batch = [] if item is None else [item]
-        while not driver.empty():  # messages already waiting run together
-            item = driver.get()
-            if item is not None:
-                batch.append(item)
-        if not batch:
+        items = [driver.get()]
+        while not driver.empty():  # what is already waiting is handled together
+            items.append(driver.get())
+        batch = [item for item in items if type(item) is tuple]
+        answers = [item for item in items if type(item) is _Answer]
+        if not batch and not answers:
             continue
         with ctx.lock:
             if current.finished:
                 break
             try:
-                current.on_grad_messages(batch)
+                if batch:
+                    current.on_grad_messages(batch)
+                for answer in answers:
+                    current.outstanding -= 1
+                    if answer.error is not None:
+                        current.fail(answer.error)
+                        break
+                current._check_done()
             except Exception as exc:
                 current.fail(exc)
     current.done.wait()
@@ -523,6 +541,25 @@ def _grad_message(
         except Exception as exc:
             current.fail(exc)
         return _reply_for(current, first)
+
+
+@on_io_thread
+def _late_grad_message(*args: Any) -> None:
+    """A gradient message that needs no answer (``_grad_message``'s arguments; I/O thread). On
+    the worker that called backward it goes straight to the driving thread's queue; elsewhere to
+    a worker thread."""
+    context_id, pass_id = args[0], args[1]
+    ctx = CONTAINER.get_context(context_id)
+    current = None if ctx is None else ctx.pass_state
+    if current is not None and current.pass_id == pass_id and current.driver is not None:
+        src = args[3]
+        current.in_touch.add(src)
+        current.heard_from.add(src)
+        current.driver.put(tuple(args[4:]))
+        return
+    agent = current_agent()
+    if agent is not None:
+        agent.schedule(lambda: _grad_message(*args))
 
 
 def _on_peer_failure(worker: int, error: Exception) -> None:

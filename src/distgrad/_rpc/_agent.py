@@ -13,6 +13,12 @@ Threads, and what runs where:
 * the **callback pool** completes ``rpc_async`` futures, so user callbacks (``then``,
   ``add_done_callback``) never run on the I/O thread and may themselves make RPCs.
 
+Layers above also have a lean internal path with no future and no thread hop:
+:meth:`RpcAgent.call_internal` hands the answer to a callback where it arrives (the I/O
+thread), and :meth:`RpcAgent.notify` sends a one-way message (a ``NOTIFY`` frame, never
+answered) whose handler runs on the receiver's I/O thread if it is marked ``on_io_thread``, on
+a worker thread otherwise. The distributed backward engine uses both for its gradient messages.
+
 A request carries ``(func, args, kwargs)`` and a response the result; tensors travel in the
 message's tensor table, together with an ``ext`` object that belongs to the layer above (see
 ``_extension``: distributed autograd attaches its metadata there).
@@ -186,6 +192,12 @@ class RpcAgent(FrameHandler):
     def _effective_timeout(self, timeout: float) -> float:
         return self.rpc_timeout if timeout < 0 else timeout
 
+    def _stopped_error(self, kind: str) -> RpcShutdownError:
+        return RpcShutdownError(
+            f"Node {self.worker_info.id}tried to send() a message of type {kind} "
+            "but RPC is no longer running on this node."
+        )
+
     def _send(
         self,
         dst: WorkerInfo,
@@ -194,12 +206,10 @@ class RpcAgent(FrameHandler):
         future: torch.futures.Future[Any] | None,
         internal: bool,
         force: bool,
+        callback: Callable[[Any, BaseException | None], None] | None = None,
     ) -> tuple[int, _Call]:
         if self._stopped:
-            raise RpcShutdownError(
-                f"Node {self.worker_info.id}tried to send() a message of type REQUEST "
-                "but RPC is no longer running on this node."
-            )
+            raise self._stopped_error("REQUEST")
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
         extension = _extension.get_extension()
@@ -214,7 +224,7 @@ class RpcAgent(FrameHandler):
             )
         self._check_size(encoded)
         cid = next(self._ids)
-        call = _Call(cid, conn, self._effective_timeout(timeout), internal, future)
+        call = _Call(cid, conn, self._effective_timeout(timeout), internal, future, callback)
         if not internal:
             with self._active_lock:
                 self._active += 1
@@ -292,6 +302,30 @@ class RpcAgent(FrameHandler):
         if call.timeout > 0:
             self._arm_timeout(cid, call)
         return future
+
+    def call_internal(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        on_done: Callable[[Any, BaseException | None], None],
+    ) -> None:
+        """An internal request with no timeout and no future: ``on_done(result, error)`` is called
+        where the answer arrives -- the I/O thread, normally; the sending thread if the send
+        itself fails after the call was registered -- so it must be quick and must not block.
+        Raises (and does not call ``on_done``) if the request cannot be sent at all."""
+        self._send(self.get_worker_info(dst), (func, args, {}), 0, None, True, False, on_done)
+
+    def notify(self, dst: int, func: Any, args: tuple[Any, ...]) -> None:
+        """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
+        nothing (an error there is logged there). The layer above learns of a lost peer through
+        the agent's failure detection, not through this call. Raises if it cannot be sent."""
+        if self._stopped:
+            raise self._stopped_error("NOTIFY")
+        conn = self.transport.connection(dst)
+        encoded = encode((func, args))
+        self._check_size(encoded)
+        conn.send(encode_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags))
 
     def send_with_retries(
         self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = 3
@@ -385,8 +419,24 @@ class RpcAgent(FrameHandler):
         self._done(call)
         if call.lock is not None:
             call.lock.release()
+        elif call.callback is not None:
+            self._run_callback(call)
         else:
             self._callbacks.submit(self._complete_future, call)
+
+    def _run_callback(self, call: _Call) -> None:
+        callback = call.callback
+        assert callback is not None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = self._result(call)
+        except BaseException as exc:
+            error = exc
+        try:
+            callback(result, error)
+        except BaseException:
+            _log.exception("unhandled error in the answer handler of an internal call")
 
     def _done(self, call: _Call) -> None:
         if call.slot:
@@ -437,6 +487,9 @@ class RpcAgent(FrameHandler):
         if frame.kind == Kind.REQUEST:
             self._workers.submit(self._serve, conn, frame)
             return
+        if frame.kind == Kind.NOTIFY:
+            self._on_notify(conn, frame)
+            return
         call = self._calls.pop(frame.message_id, None)
         if call is None:
             return  # the call timed out or was failed already; the late response is dropped
@@ -452,6 +505,26 @@ class RpcAgent(FrameHandler):
         if peer_dead:
             for listener in list(self.peer_failure_listeners):
                 self._callbacks.submit(listener, conn.peer, error)
+
+    def _on_notify(self, conn: AnyConnection, frame: Frame) -> None:
+        try:
+            func, args = loads(frame.meta, frame.buffers, frame.flags)
+        except BaseException as exc:
+            _log.warning(
+                "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
+            )
+            return
+        if getattr(func, "_distgrad_on_io_thread", False):
+            self._run_notification(func, args)
+        elif not self._stopped:
+            self._workers.submit(self._run_notification, func, args)
+
+    @staticmethod
+    def _run_notification(func: Any, args: tuple[Any, ...]) -> None:
+        try:
+            func(*args)
+        except BaseException:
+            _log.exception("unhandled error in the notification handler %r", func)
 
     # -- serving (worker threads) ----------------------------------------------------------------
     def _serve(self, conn: AnyConnection, frame: Frame) -> None:

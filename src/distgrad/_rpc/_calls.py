@@ -106,6 +106,7 @@ class _Call:
     """One outgoing request waiting for its response."""
 
     __slots__ = (
+        "callback",
         "cid",
         "conn",
         "error",
@@ -124,6 +125,7 @@ class _Call:
         timeout: float,
         internal: bool,
         future: torch.futures.Future[Any] | None,
+        callback: Callable[[Any, BaseException | None], None] | None = None,
     ) -> None:
         self.cid = cid
         self.conn = conn
@@ -134,6 +136,8 @@ class _Call:
         self.error: BaseException | None = None
         self.slot = 0
         self.lock: threading.Lock | None = None
-        if future is None:
+        #: for internal calls: called with (result, error) where the answer arrives
+        self.callback = callback
+        if future is None and callback is None:
             self.lock = threading.Lock()
             self.lock.acquire()

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-__all__ = ["async_execution"]
+__all__ = ["async_execution", "on_io_thread"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,3 +22,11 @@ def async_execution(fn: F) -> F:
 
     wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
     return cast(F, wrapper)
+
+
+def on_io_thread(fn: F) -> F:
+    """Mark an internal notification handler (see ``RpcAgent.notify``) to run on the receiver's
+    I/O thread, as soon as its frame is read, instead of on a worker thread. Only for handlers
+    that are quick and never block: they hold up every connection while they run."""
+    fn._distgrad_on_io_thread = True  # type: ignore[attr-defined]
+    return fn

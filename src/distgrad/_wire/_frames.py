@@ -45,6 +45,7 @@ class Kind(enum.IntEnum):
     ERROR = 3
     HEARTBEAT = 4
     GOODBYE = 5
+    NOTIFY = 6  # a one-way internal message: a pickle, never answered
 
 
 _KINDS = frozenset(int(k) for k in Kind)
