@@ -24,6 +24,8 @@ ENV_LISTEN_ADDR = "DISTGRAD_LISTEN_ADDR"
 ENV_UNIX_SOCKETS = "DISTGRAD_UNIX_SOCKETS"
 #: Set to "0" to use the standard asyncio loop even when uvloop is installed.
 ENV_UVLOOP = "DISTGRAD_UVLOOP"
+#: Set to "0" to leave torch's OpenMP spinning as it is (see ``distgrad._omp``).
+ENV_OMP_THROTTLE = "DISTGRAD_OMP_THROTTLE"
 
 #: Default bound on one message (pickle stream plus all tensor buffers), in bytes.
 DEFAULT_MAX_MESSAGE_SIZE: int = 16 * 1024**3

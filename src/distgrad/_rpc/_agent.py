@@ -45,6 +45,7 @@ from .._errors import (
     RpcTimeoutError,
     rpc_timeout_message,
 )
+from .._omp import join_openmp_runtime
 from .._transport._connection import Connection
 from .._transport._io import IoThread
 from .._transport._transport import (
@@ -141,6 +142,7 @@ class RpcAgent(FrameHandler):
             client_ssl=opts.client_ssl_context,
         )
         self._io.start()
+        self._io.call_soon(join_openmp_runtime)
         self._transport = Transport(config, self._io, self, self._label)
         self.address = self._transport.listen(listen_host)
         return self.address
