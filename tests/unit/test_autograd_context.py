@@ -361,7 +361,8 @@ def test_accumulate_dense_gradients() -> None:
 
 
 def test_accumulate_clones_views_and_non_contiguous_gradients() -> None:
-    """A first gradient that is a view or not contiguous is copied before it is stored."""
+    """A first gradient that is not laid out as its variable, or a slice of a larger storage,
+    is copied before it is stored."""
     ctx = DistAutogradContext(0)
     base = torch.arange(6.0).reshape(2, 3)
     a = torch.zeros(3, 2, requires_grad=True)
@@ -375,6 +376,27 @@ def test_accumulate_clones_views_and_non_contiguous_gradients() -> None:
     assert not grads[b]._is_view()
     base.zero_()
     assert grads[b].sum().item() == 3.0
+
+
+def test_accumulate_keeps_whole_views_and_copies_shared_gradients() -> None:
+    """A contiguous view over a whole storage (a linear layer's weight gradient) is stored as
+    it is; a tensor already stored for another variable is copied, so the two stored
+    gradients never alias (an in-place change to one must not reach the other)."""
+    ctx = DistAutogradContext(0)
+    lin = torch.nn.Linear(4, 3)
+    gw, _gb = torch.autograd.grad(lin(torch.randn(2, 4)).sum(), [lin.weight, lin.bias])
+    assert gw._is_view() and gw.is_contiguous()
+    ctx.accumulate_grad(lin.weight, gw)
+    assert ctx.gradients()[lin.weight] is gw
+    shared = torch.ones(3)
+    a = torch.zeros(3, requires_grad=True)
+    b = torch.zeros(3, requires_grad=True)
+    ctx.accumulate_grad(a, shared)
+    ctx.accumulate_grad(b, shared)
+    grads = ctx.gradients()
+    assert grads[a] is shared and grads[b] is not shared
+    grads[a].mul_(5)
+    assert torch.equal(grads[b], torch.ones(3))
 
 
 def test_accumulate_detaches_gradients_that_require_grad() -> None:

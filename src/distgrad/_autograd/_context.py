@@ -68,6 +68,8 @@ class DistAutogradContext:
         # tensors themselves is only safe for lookups by the very same object; keying by id and
         # keeping the variable alive here makes identity explicit (and the id stable).
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # storages of first gradients stored without a copy (see accumulate_grad)
+        self._kept_storages: set[int] = set()
 
     # -- torch-compatible introspection (SPEC 1.2) ----------------------------------------------
     def _context_id(self) -> int:
@@ -109,10 +111,16 @@ class DistAutogradContext:
     def accumulate_grad(self, variable: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` to the gradient accumulated for ``variable`` (by identity).
 
-        The first dense gradient is stored as is, or copied (contiguous) when it is a view or
-        not contiguous; a sparse one is copied. Later gradients are added out of place: a
-        stored gradient is never modified, so one handed out by :meth:`gradients` stays valid.
-        Sparse and dense gradients mix freely; the sum is sparse only when both are.
+        The first dense gradient is stored as it is when it is laid out as the variable is and
+        owns its whole storage alone -- the usual case: the weight gradient of a linear layer
+        is a transposed view of a transposed result, contiguous -- and copied otherwise: when
+        its strides differ from the variable's (torch's layout contract), when it is a slice of
+        a larger storage (it would keep that alive), or when another stored gradient shares its
+        storage (the engine hands the same tensor to both inputs of an addition: modifying one
+        stored gradient in place must not change the other). A sparse one is copied. Later
+        gradients are added out of place: a stored gradient is never modified, so one handed
+        out by :meth:`gradients` stays valid. Sparse and dense gradients mix freely; the sum
+        is sparse only when both are.
         """
         with torch.no_grad():
             if grad.requires_grad:
@@ -122,15 +130,24 @@ class DistAutogradContext:
                 if entry is None:
                     if grad.layout != torch.strided:
                         total = grad.clone()  # sparse: owns its indices and values
-                    elif grad._is_view() or not grad.is_contiguous():
-                        total = grad.clone(memory_format=torch.contiguous_format)
-                    else:
+                    elif self._can_keep(variable, grad):
                         total = grad
+                        self._kept_storages.add(grad.untyped_storage().data_ptr())
+                    else:
+                        total = grad.clone(memory_format=torch.contiguous_format)
                 else:
                     old = entry[1]
                     # torch implements add(dense, sparse) but not add(sparse, dense).
                     total = grad + old if old.is_sparse and not grad.is_sparse else old + grad
                 self._grads[id(variable)] = (variable, total)
+
+    def _can_keep(self, variable: torch.Tensor, grad: torch.Tensor) -> bool:
+        if not grad.is_contiguous() or grad.stride() != variable.stride():
+            return False
+        storage = grad.untyped_storage()
+        if storage.nbytes() != grad.numel() * grad.element_size():
+            return False
+        return storage.data_ptr() not in self._kept_storages
 
     def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         """A snapshot of the accumulated gradients, keyed by the variable tensors themselves.
