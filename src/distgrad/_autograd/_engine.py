@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from .._errors import DistgradError
+from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from .._rpc._functions import async_execution, on_io_thread
 from ._context import CONTAINER, DistAutogradContext
@@ -294,6 +295,9 @@ class Pass:
             raise BackwardError(
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
+        if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
+            self._message_profiled(agent, worker, func, args)
+            return
         if worker in self.heard_from:
             # It already takes part, so this is not its first message: it needs no answer
             # (one would say nothing about the work it causes, which that worker's own part
@@ -306,6 +310,30 @@ class Pass:
         agent.call_internal(worker, func, args, self._on_answer)
         self.in_touch.add(worker)
         self.outstanding += 1
+
+    def _message_profiled(self, agent: Any, worker: int, func: Any, args: tuple[Any, ...]) -> None:
+        """As :meth:`_message`, as a request through ``call_async`` (which records it in the
+        profiler's trace); a late message's answer only matters if it is an error."""
+        first = worker not in self.heard_from
+        future = agent.call_async(agent.get_worker_info(worker), func, args, {}, 0, internal=True)
+        self.in_touch.add(worker)
+        if first:
+            self.outstanding += 1
+
+        def answered(done: torch.futures.Future[Any]) -> None:
+            try:
+                done.wait()
+            except BaseException as exc:
+                if first:
+                    self._on_answer(None, exc)
+                else:
+                    with self.ctx.lock:
+                        self.fail(exc)
+                return
+            if first:
+                self._on_answer(None, None)
+
+        future.add_done_callback(answered)
 
     def _on_answer(self, _result: Any, error: BaseException | None) -> None:
         """The answer to a first message (on the I/O thread: quick, no lock here)."""
