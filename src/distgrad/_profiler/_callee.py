@@ -21,7 +21,7 @@ import torch
 from torch.autograd import profiler_legacy
 
 from .._rpc._agent import current_agent
-from .._rpc._calls import is_builtin
+from .._rpc._calls import check_async_result, is_builtin
 from ._records import CallRecord, Event, RemoteProfile, Session, pop, push
 
 __all__ = ["SETTLE_GRACE_S", "serve", "serve_async"]
@@ -162,13 +162,7 @@ def serve(request: Any, func: Any, args: Any, kwargs: Any) -> Any:
 def serve_async(request: Any, func: Any, args: Any, kwargs: Any) -> torch.futures.Future[Any]:
     serving = _Serving(request)
     try:
-        future = func(*args, **(kwargs or {}))
-        if not isinstance(future, (torch.futures.Future, torch._C.Future)):
-            kind = type(future)
-            raise RuntimeError(
-                "Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
-            )
+        future = check_async_result(func(*args, **(kwargs or {})))
     except BaseException:
         serving.finish()
         raise

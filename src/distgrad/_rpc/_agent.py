@@ -59,7 +59,7 @@ from .._transport._transport import (
 from .._wire._frames import Frame, Kind, encode_frame
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
-from ._calls import RpcFuture, _Call, is_builtin, set_future_error
+from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload
@@ -601,13 +601,7 @@ class RpcAgent(FrameHandler):
         kwargs: Any,
         state: Any,
     ) -> None:
-        future = func(*args, **(kwargs or {}))
-        if not isinstance(future, (torch.futures.Future, torch._C.Future)):
-            kind = type(future)
-            raise RuntimeError(
-                "Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
-            )
+        future = check_async_result(func(*args, **(kwargs or {})))
 
         def respond(done: torch.futures.Future[Any]) -> None:
             try:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .._transport._transport import LoopbackConnection
     from .._wire._frames import Frame
 
-__all__ = ["RpcFuture", "fresh_copy", "is_builtin", "set_future_error"]
+__all__ = ["RpcFuture", "check_async_result", "fresh_copy", "is_builtin", "set_future_error"]
 
 _find_builtin: Callable[[Any], Any] = _find_builtin_untyped
 
@@ -30,6 +30,18 @@ def is_builtin(func: Any) -> bool:
         return _find_builtin(func) is not None
     except Exception:
         return False
+
+
+def check_async_result(future: Any) -> Any:
+    """What an ``@async_execution`` function returned, if it is a future; the reference's
+    error otherwise."""
+    if not isinstance(future, (torch.futures.Future, torch._C.Future)):
+        kind = type(future)
+        raise RuntimeError(
+            "Functions decorated with @rpc.async_function must return a "
+            f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
+        )
+    return future
 
 
 def fresh_copy(stored: BaseException) -> BaseException:
