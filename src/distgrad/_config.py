@@ -26,6 +26,9 @@ ENV_UNIX_SOCKETS = "DISTGRAD_UNIX_SOCKETS"
 ENV_UVLOOP = "DISTGRAD_UVLOOP"
 #: Set to "0" to leave torch's OpenMP spinning as it is (see ``distgrad._omp``).
 ENV_OMP_THROTTLE = "DISTGRAD_OMP_THROTTLE"
+#: Set to "0" to send every tensor through the socket, never by direct memory read
+#: (see ``distgrad._transport._memory``).
+ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
 
 #: Default bound on one message (pickle stream plus all tensor buffers), in bytes.
 DEFAULT_MAX_MESSAGE_SIZE: int = 16 * 1024**3
@@ -40,6 +43,9 @@ DEFAULT_HANDSHAKE_TIMEOUT: float = 10.0
 DIRECT_RECV_THRESHOLD: int = 64 * 1024
 #: Size of each connection's staging buffer for small frames.
 RECV_STAGING_SIZE: int = 256 * 1024
+#: Tensor buffers at least this large go to a same-host peer by direct memory read, when the
+#: peer can read this process's memory (one copy instead of two through the Unix socket).
+CROSS_MEMORY_THRESHOLD: int = 1024 * 1024
 
 
 def env_flag(name: str, default: bool) -> bool:

@@ -22,7 +22,16 @@ import torch
 
 import distgrad.rpc as rpc
 from distgrad._transport._handshake import MAGIC, PROTOCOL_VERSION, client_handshake
-from distgrad._wire._frames import HEADER, MAX_BUFFERS, Kind, encode_frame
+from distgrad._transport._memory import MemoryProbe
+from distgrad._transport._memory import available as memory_reads_available
+from distgrad._wire._frames import (
+    FLAG_BY_REFERENCE,
+    HEADER,
+    MAX_BUFFERS,
+    Kind,
+    buffer_address,
+    encode_frame,
+)
 from tests._harness import run_workers
 
 pytestmark = pytest.mark.timeout(90)
@@ -42,6 +51,12 @@ def tcp_address() -> tuple[str, int]:
     address = rpc._get_current_rpc_agent().address
     assert address is not None
     return address.host, address.port
+
+
+def unix_address() -> str | None:
+    address = rpc._get_current_rpc_agent().address
+    assert address is not None
+    return address.unix
 
 
 def statistics() -> dict[str, Any]:
@@ -151,6 +166,9 @@ def attack_program(rank: int, world_size: int, port: int, marks: str) -> dict[st
         sock = authenticated(host, tcp_port, secret)
         sock.sendall(header)
         dropped[name] = closed_by_peer(sock)
+    path = rpc.rpc_sync("worker1", unix_address)
+    if path is not None and memory_reads_available():
+        dropped.update(memory_attacks(path, secret))
     started = time.monotonic()
     dropped["silent"] = closed_by_peer(silent, within=8.0)
     silent_after = time.monotonic() - started
@@ -172,10 +190,59 @@ def attack_program(rank: int, world_size: int, port: int, marks: str) -> dict[st
     return {"dropped": dropped, "before": before, "after": after, "silent_after": silent_after}
 
 
+def authenticated_unix(path: str, secret: bytes) -> socket.socket:
+    """A same-host client that knows the secret, claiming to be rank 0."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    client_handshake(sock, secret, 0, 1)
+    return sock
+
+
+def wait_for_frame(sock: socket.socket, kind: int) -> bytes:
+    """Read frames (no buffers) until one of ``kind``; return its meta."""
+    while True:
+        got, _flags, _nbuf, meta_len, _id = HEADER.unpack(recv_exact(sock, HEADER.size))
+        meta = recv_exact(sock, meta_len)
+        if got == kind:
+            return meta
+
+
+def by_reference_request(address: int, nbytes: int = 1000) -> bytes:
+    """A request whose one buffer is left at ``address`` in the sender's memory."""
+    head = HEADER.pack(Kind.REQUEST, FLAG_BY_REFERENCE, 1, 4, 7)
+    return head + struct.pack("<3Q", nbytes, 1, address) + b"meta"
+
+
+def memory_attacks(path: str, secret: bytes) -> dict[str, bool]:
+    """Same-host clients that abuse direct memory reads (each must be dropped)."""
+    dropped: dict[str, bool] = {}
+    keep = bytearray(os.urandom(1000))
+    address = buffer_address(memoryview(keep))
+    # buffers by reference although the worker never accepted an offer from this client
+    sock = authenticated_unix(path, secret)
+    wait_for_frame(sock, Kind.MEMORY_OFFER)  # the worker offers its memory; we offer nothing
+    sock.sendall(by_reference_request(address))
+    dropped["by reference without an offer"] = closed_by_peer(sock)
+    # an honest offer, accepted, then an address this process does not have mapped
+    sock = authenticated_unix(path, secret)
+    probe = MemoryProbe()
+    sock.sendall(stream_of(encode_frame(Kind.MEMORY_OFFER, 0, probe.offer())))
+    wait_for_frame(sock, Kind.MEMORY_ACCEPT)
+    sock.sendall(by_reference_request(4096))
+    dropped["by reference at an unmapped address"] = closed_by_peer(sock)
+    return dropped
+
+
+def stream_of(pieces: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(p) for p in pieces)
+
+
 def test_bad_clients_are_dropped_and_the_worker_keeps_serving(tmp_path: Path) -> None:
     """Raw TCP clients sending garbage, a pickle instead of a HELLO, a wrong proof, a rank
     outside the group, nothing at all, or (authenticated) an oversized frame, an unknown frame
-    kind or too many buffers are each disconnected; nothing sent before authentication is
+    kind, too many buffers, or (same host) buffers by reference without an accepted offer or at
+    an unmapped address, are each disconnected; nothing sent before authentication is
     unpickled (an authenticated control is); the worker's counters record each failure; the
     worker keeps serving worker0 and worker2, and still trusts worker0."""
     marks = tmp_path / "marks"
@@ -183,11 +250,12 @@ def test_bad_clients_are_dropped_and_the_worker_keeps_serving(tmp_path: Path) ->
     results = run_workers(attack_program, 3, init=False, timeout=75, kwargs={"marks": str(marks)})
     report = results[0]
     assert report["dropped"] == {name: True for name in report["dropped"]}, report["dropped"]
-    assert len(report["dropped"]) == 9
+    memory = 2 if memory_reads_available() else 0  # same-host clients abusing memory reads
+    assert len(report["dropped"]) == 9 + memory
     assert report["silent_after"] < 8.0
     before, after = report["before"], report["after"]
     assert after["handshakes_failed"] - before["handshakes_failed"] == 5, (before, after)
-    assert after["protocol_errors"] - before["protocol_errors"] == 4, (before, after)
+    assert after["protocol_errors"] - before["protocol_errors"] == 4 + memory, (before, after)
     assert list(after["dead_peers"]) == []
     assert sorted(p.name for p in marks.iterdir()) == ["authenticated"]
 

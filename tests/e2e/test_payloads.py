@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Any
+
 import pytest
 import torch
 
@@ -234,3 +238,71 @@ def test_non_cpu_tensors_get_the_reference_error() -> None:
 def test_cuda_tensors_get_the_reference_error() -> None:
     """The same with a CUDA tensor (skipped without a GPU)."""
     assert run_workers(device_tensors_refused, 2, kwargs={"device": "cuda"})[0] == "ok"
+
+
+def transport_statistics() -> dict[str, Any]:
+    return dataclasses.asdict(rpc._get_current_rpc_agent().statistics())
+
+
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def direct_reads_program(rank: int, world_size: int) -> dict[str, int] | str:
+    if rank != 0:
+        return "served"
+    mine, theirs = transport_statistics(), rpc.rpc_sync("worker1", transport_statistics)
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(1 << 20, generator=gen)  # 4 MiB: by reference where reads work
+    small = torch.randn(100, generator=gen)  # inline
+    view = torch.randn(1024, 600, generator=gen).t()  # 2.3 MiB, sent as the view it is
+    back = rpc.rpc_sync("worker1", echo, ((big, small, [view]),))
+    assert torch.equal(back[0], big) and torch.equal(back[1], small)
+    assert torch.equal(back[2][0], view) and back[2][0].stride() == view.stride()
+    back[0].add_(1)  # what came back is this worker's own copy
+    assert not torch.equal(back[0], big)
+    # many in flight at once, each reply computed from its own request
+    inputs = [torch.full((300_000,), float(i)) for i in range(8)]
+    futures = [rpc.rpc_async("worker1", double, (x,)) for x in inputs]
+    for x, fut in zip(inputs, futures, strict=True):
+        assert torch.equal(fut.wait(), x * 2)
+    # the sender changes its tensor after the call completed: the receiver kept what it read
+    big.zero_()
+    assert torch.equal(rpc.rpc_sync("worker1", echo, (big,)), torch.zeros_like(big))
+    after_mine, after_theirs = transport_statistics(), rpc.rpc_sync("worker1", transport_statistics)
+    key = "bytes_read_directly"
+    return {"worker0": after_mine[key] - mine[key], "worker1": after_theirs[key] - theirs[key]}
+
+
+def _reads_possible() -> bool:
+    """Whether sibling processes may read each other's memory here (Yama may forbid it)."""
+    from distgrad._transport import _memory
+
+    if not _memory.available():
+        return False
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip() or 0)
+    except OSError:
+        return True
+    return scope == 0 or (scope < 3 and os.geteuid() == 0)
+
+
+@pytest.mark.parametrize("reads", ["on", "off"])
+def test_large_tensors_between_same_host_workers_are_read_directly(reads: str) -> None:
+    """Between workers on one host, tensors of 1 MiB and more are read from the sender's memory
+    (one copy, not two through the socket): with that on, each worker read them directly; with
+    DISTGRAD_CROSS_MEMORY=0 everything goes through the socket. Results are identical."""
+    if reads == "on" and not _reads_possible():
+        pytest.skip("this host does not let sibling processes read each other's memory")
+    env = {"DISTGRAD_CROSS_MEMORY": "0"} if reads == "off" else {}
+    results = run_workers(direct_reads_program, 2, timeout=60, env=env)
+    assert results[1] == "served"
+    read = results[0]
+    assert isinstance(read, dict)
+    if reads == "off":
+        assert read == {"worker0": 0, "worker1": 0}
+        return
+    big, view, doubled = 4 << 20, 1024 * 600 * 4, 8 * 300_000 * 4
+    # worker1 read the requests' tensors and worker0 the replies' (the small one went inline)
+    assert read == {"worker0": 2 * big + view + doubled, "worker1": 2 * big + view + doubled}

@@ -10,10 +10,26 @@ import struct
 import pytest
 
 from distgrad._errors import MessageTooLargeError, ProtocolError
+from distgrad._transport._memory import read_memory
 from distgrad._wire import _frames
-from distgrad._wire._frames import HEADER, MAX_BUFFERS, Frame, FrameParser, Kind, encode_frame
+from distgrad._wire._frames import (
+    FLAG_BY_REFERENCE,
+    HEADER,
+    MAX_BUFFERS,
+    Frame,
+    FrameParser,
+    Kind,
+    encode_frame,
+    encode_frame_by_reference,
+)
 
 BIG = 1 << 40
+
+
+def _memory_reads() -> bool:
+    from distgrad._transport import _memory
+
+    return _memory.available()
 
 
 def stream_of(pieces: list[bytes | memoryview]) -> bytes:
@@ -41,7 +57,7 @@ def feed(parser: FrameParser, data: bytes, chunks: list[int] | None = None) -> l
 def random_frame(rng: random.Random, threshold: int) -> tuple[int, int, int, bytes, list[bytes]]:
     kind = rng.choice(list(Kind))
     message_id = rng.choice([0, 1, rng.getrandbits(32), (1 << 64) - 1, rng.getrandbits(64)])
-    flags = rng.getrandbits(8)
+    flags = rng.getrandbits(7)  # the top bit is the transport's (FLAG_BY_REFERENCE)
     size_choices = [0, 1, 7, rng.randrange(threshold), threshold, threshold + 1, 3 * threshold]
     meta = rng.randbytes(rng.choice(size_choices))
     buffers = [rng.randbytes(rng.choice(size_choices)) for _ in range(rng.choice([0, 0, 1, 2, 5]))]
@@ -170,7 +186,7 @@ def test_frames_after_a_large_one_share_its_last_read() -> None:
 # -- bad input ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 7, 99, 255])
+@pytest.mark.parametrize("kind", [0, 10, 99, 255])
 @pytest.mark.parametrize("whole", [True, False], ids=["whole-frame", "header-only"])
 def test_unknown_kind_is_a_protocol_error(kind: int, whole: bool) -> None:
     """An unknown frame kind raises ProtocolError, whether or not the frame body has arrived."""
@@ -248,3 +264,69 @@ def test_parser_rejects_a_threshold_above_half_the_staging() -> None:
     """The parser's construction rule: the direct threshold is at most half the staging."""
     with pytest.raises(ValueError, match="direct_threshold"):
         FrameParser(BIG, staging_size=1000, direct_threshold=501)
+
+
+# -- buffers by reference ----------------------------------------------------------------------
+
+
+def read_own_memory(address: int, into: memoryview) -> None:
+    read_memory(os.getpid(), address, into)
+
+
+def by_reference(buffers: list[bytes], threshold: int, transfer: int = 5) -> tuple[bytes, list]:
+    pieces, kept = encode_frame_by_reference(
+        Kind.REQUEST, 9, b"meta", [pickle.PickleBuffer(b) for b in buffers], 1, transfer, threshold
+    )
+    return stream_of(pieces), kept
+
+
+@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+@pytest.mark.parametrize("chunks", [None, [1], [3, 17, 5000]])
+def test_by_reference_buffers_are_read_from_memory_not_the_stream(chunks: list[int] | None) -> None:
+    """Large buffers stay behind (only their address travels) and the parser reads them; small
+    ones travel inline; the frame names the transfer to release and keeps the layer's flags."""
+    small, large = os.urandom(100), os.urandom(300_000)
+    data, kept = by_reference([small, large, b"", large[:70_000]], threshold=65_536)
+    assert len(data) < 2_000  # neither large buffer is in the stream
+    assert [v.nbytes for v in kept] == [300_000, 70_000]
+    assert data[1] & FLAG_BY_REFERENCE
+    frames = feed(FrameParser(BIG, read_remote=read_own_memory), data, chunks)
+    assert len(frames) == 1
+    assert_same(frames[0], Kind.REQUEST, 9, 1, b"meta", [small, large, b"", large[:70_000]])
+    assert frames[0].transfer == 5
+    plain = feed(FrameParser(BIG), encode(Kind.REQUEST, 9, 1, b"meta", [small]))
+    assert plain[0].transfer == -1
+
+
+def test_by_reference_frame_without_a_reader_is_a_protocol_error() -> None:
+    """A connection that did not accept the peer's offer refuses frames by reference."""
+    data, _kept = by_reference([os.urandom(1000)], threshold=10)
+    with pytest.raises(ProtocolError, match="did not agree"):
+        feed(FrameParser(BIG), data)
+
+
+@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+def test_by_reference_frame_at_an_unmapped_address_is_a_protocol_error() -> None:
+    """An address the sender does not have mapped is a protocol error, not a crash."""
+    data, _kept = by_reference([os.urandom(1000)], threshold=10)
+    lengths_end = HEADER.size + 8 + 8  # one length, then the transfer id, then the address
+    forged = data[:lengths_end] + struct.pack("<Q", 4096) + data[lengths_end + 8 :]
+    with pytest.raises(ProtocolError, match="could not read a 1000-byte buffer"):
+        feed(FrameParser(BIG, read_remote=read_own_memory), forged)
+
+
+def test_by_reference_lengths_count_against_the_maximum() -> None:
+    """Buffers left in the sender's memory are bounded like inline ones, before any read."""
+    data, _kept = by_reference([os.urandom(1000)], threshold=10)
+
+    def never(address: int, into: memoryview) -> None:
+        raise AssertionError("read before the size check")
+
+    with pytest.raises(MessageTooLargeError):
+        feed(FrameParser(500, read_remote=never), data)
+
+
+def test_encoder_refuses_the_transport_flag() -> None:
+    """The layer above cannot set the transport's own flag bit."""
+    with pytest.raises(ValueError, match="reserved"):
+        encode_frame(Kind.REQUEST, 1, b"", None, FLAG_BY_REFERENCE)

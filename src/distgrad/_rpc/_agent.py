@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +57,7 @@ from .._transport._transport import (
     TransportConfig,
     TransportStatistics,
 )
-from .._wire._frames import Frame, Kind, encode_frame
+from .._wire._frames import Frame, Kind
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
@@ -232,7 +233,7 @@ class RpcAgent(FrameHandler):
                 self._active += 1
         self._calls[cid] = call
         try:
-            conn.send(encode_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags))
+            conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
         except BaseException:
             if self._calls.pop(cid, None) is not None:
                 self._done(call)
@@ -327,7 +328,7 @@ class RpcAgent(FrameHandler):
         conn = self.transport.connection(dst)
         encoded = encode((func, args))
         self._check_size(encoded)
-        conn.send(encode_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags))
+        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
 
     def send_with_retries(
         self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = 3
@@ -630,10 +631,7 @@ class RpcAgent(FrameHandler):
         except BaseException as exc:
             self._reply_error(conn, message_id, exc)
             return
-        self._write(
-            conn,
-            encode_frame(Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, encoded.flags),
-        )
+        self._write(conn, Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, encoded.flags)
 
     def _device_check(self, direction: str, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """What the pickler calls for a tensor that is not on the CPU: distgrad moves only CPU
@@ -679,11 +677,19 @@ class RpcAgent(FrameHandler):
         self, conn: AnyConnection, message_id: int, exc: BaseException, builtin: bool = False
     ) -> None:
         payload = error_payload(exc, str(self.worker_info), builtin)
-        self._write(conn, encode_frame(Kind.ERROR, message_id, dumps(payload)[0]))
+        self._write(conn, Kind.ERROR, message_id, dumps(payload)[0])
 
-    def _write(self, conn: AnyConnection, pieces: list[Any]) -> None:
+    def _write(
+        self,
+        conn: AnyConnection,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+    ) -> None:
         try:
-            conn.send(pieces)
+            conn.send_frame(kind, message_id, meta, buffers, flags)
         except DistgradError as exc:
             _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
 

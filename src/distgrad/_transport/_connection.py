@@ -8,21 +8,29 @@ storage (scatter/gather) and are never joined into one bytes object.
 
 Reads happen on the I/O thread: ``recv_into`` a buffer given by the frame parser (the staging
 buffer, or a large tensor's own storage), then complete frames go to the handler.
+
+Over a Unix socket, each side offers the other to read large buffers straight from its memory
+(``_memory``); once the peer accepts, buffers of at least ``CROSS_MEMORY_THRESHOLD`` bytes go
+by reference and are kept alive (unchanged) until the peer's ``RELEASE`` for them.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from .._config import CROSS_MEMORY_THRESHOLD
 from .._errors import PeerFailureError, ProtocolError
-from .._wire._frames import Frame, FrameParser, Kind, encode_frame
+from .._wire._frames import Frame, FrameParser, Kind, encode_frame, encode_frame_by_reference
+from . import _memory
 
 if TYPE_CHECKING:
     from ._io import IoThread
@@ -76,11 +84,19 @@ class Connection:
         self._sock = sock
         self._fd = sock.fileno()
         self._tls = isinstance(sock, ssl.SSLSocket)
-        self._parser = FrameParser(max_message_size)
         self._lock = threading.Lock()
         self._queue: deque[memoryview] = deque()
         self._writer_armed = False
         self._shutdown_after_flush = False
+        # direct memory reads (same host): the peer's pid, our probe, what the peer accepted
+        self._peer_pid = _memory.peer_pid(sock) if _memory.available() else None
+        self._probe: _memory.MemoryProbe | None = None
+        self._read_peer = False  # we accepted the peer's offer: it may send by reference
+        self._by_reference = False  # the peer accepted ours: we may send by reference
+        self._transfers = 0
+        self._pinned: dict[int, list[memoryview]] = {}
+        self.bytes_read_directly = 0
+        self._parser = FrameParser(max_message_size, read_remote=self._read_remote)
         self.closed = False
         self.goodbye_received = False
         self.close_error: Exception | None = None
@@ -95,8 +111,15 @@ class Connection:
     # -- lifecycle (I/O thread) -------------------------------------------------------------------
     def start(self) -> None:
         """Start reading; call on the I/O thread."""
-        if not self.closed:
-            self._io.loop.add_reader(self._fd, self._on_readable)
+        if self.closed:
+            return
+        self._io.loop.add_reader(self._fd, self._on_readable)
+        if self._peer_pid is not None:
+            self._probe = _memory.MemoryProbe()
+            try:
+                self.send(encode_frame(Kind.MEMORY_OFFER, 0, self._probe.offer()))
+            except PeerFailureError:
+                pass
 
     def close(self, error: Exception | None = None) -> None:
         """Close now (any thread); ``error`` says why, ``None`` for an orderly close."""
@@ -106,6 +129,7 @@ class Connection:
             self.closed = True
             self.close_error = error
             self._queue.clear()
+            self._pinned.clear()
         self._io.call_soon(self._close_in_loop, error)
 
     def close_when_flushed(self) -> None:
@@ -117,7 +141,7 @@ class Connection:
         with self._lock:
             if self.closed:
                 return
-            if self._queue:
+            if self._queue or self._pinned:  # the peer may still read what is pinned
                 self._shutdown_after_flush = True
                 return
         self._half_close()
@@ -147,6 +171,35 @@ class Connection:
         self.close(error)
 
     # -- writing (any thread) -------------------------------------------------------------------
+    def send_frame(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+    ) -> None:
+        """Write one frame; large buffers go by reference where the peer reads our memory."""
+        if not (self._by_reference and buffers) or all(
+            b.raw().nbytes < CROSS_MEMORY_THRESHOLD for b in buffers
+        ):
+            self.send(encode_frame(kind, message_id, meta, buffers, flags))
+            return
+        with self._lock:
+            transfer = self._transfers
+            self._transfers += 1
+        pieces, kept = encode_frame_by_reference(
+            kind, message_id, meta, buffers, flags, transfer, CROSS_MEMORY_THRESHOLD
+        )
+        with self._lock:
+            self._pinned[transfer] = kept
+        try:
+            self.send(pieces)
+        except BaseException:
+            with self._lock:
+                self._pinned.pop(transfer, None)
+            raise
+
     def send(self, pieces: Sequence[Piece]) -> None:
         """Write one frame's pieces, in order with every other frame on this connection."""
         with self._lock:
@@ -221,10 +274,54 @@ class Connection:
             else:
                 self._writer_armed = False
                 self._io.loop.remove_writer(self._fd)
-                if self._shutdown_after_flush:
+                if self._shutdown_after_flush and not self._pinned:
                     self._half_close()
                 return
         self._fail(error)
+
+    # -- direct memory reads (I/O thread) ----------------------------------------------------------
+    def _read_remote(self, address: int, into: memoryview) -> None:
+        """The parser's reader for buffers the peer left in its memory."""
+        if not self._read_peer or self._peer_pid is None:
+            raise ProtocolError(
+                f"{self.peer_label} sent buffers by reference without an accepted offer"
+            )
+        _memory.read_memory(self._peer_pid, address, into)
+        self.bytes_read_directly += into.nbytes
+
+    def _on_control(self, frame: Frame) -> None:
+        """Handle the connection's own frames (offers, acceptances and releases)."""
+        if frame.kind == Kind.MEMORY_OFFER:
+            pid = self._peer_pid
+            if pid is not None and _memory.MemoryProbe.check(pid, frame.meta):
+                self._read_peer = True
+                try:
+                    self.send(encode_frame(Kind.MEMORY_ACCEPT, 0))
+                except PeerFailureError:
+                    pass
+            else:
+                _log.debug("cannot read the memory of %s: tensors come by socket", self.peer_label)
+        elif frame.kind == Kind.MEMORY_ACCEPT:
+            if self._probe is None:
+                raise ProtocolError(f"{self.peer_label} accepted an offer that was not made")
+            self._by_reference = True
+            self._probe = None
+        else:  # RELEASE
+            meta = frame.meta
+            if len(meta) % 8:
+                raise ProtocolError(f"malformed release from {self.peer_label}")
+            with self._lock:
+                for transfer in struct.unpack(f"<{len(meta) // 8}Q", meta):
+                    self._pinned.pop(transfer, None)
+                half_close = self._shutdown_after_flush and not self._queue and not self._pinned
+            if half_close:
+                self._half_close()
+
+    def _release(self, transfers: list[int]) -> None:
+        try:
+            self.send(encode_frame(Kind.RELEASE, 0, struct.pack(f"<{len(transfers)}Q", *transfers)))
+        except PeerFailureError:
+            pass
 
     # -- reading (I/O thread) -------------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -250,12 +347,18 @@ class Connection:
             self.last_recv = time.monotonic()
             try:
                 frames = parser.buffer_updated(n)
+                released = [f.transfer for f in frames if f.transfer >= 0]
+                if released:  # the reads are done: let the peer reuse that memory at once
+                    self._release(released)
+                for frame in frames:
+                    if frame.kind >= Kind.MEMORY_OFFER:
+                        self._on_control(frame)
             except ProtocolError as exc:
                 _log.warning("dropping connection from %s: %s", self.peer_label, exc)
                 self._fail(exc)
                 return
             for frame in frames:
-                if frame.kind == Kind.HEARTBEAT:
+                if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
                     continue
                 if frame.kind == Kind.GOODBYE:
                     self.goodbye_received = True

@@ -20,6 +20,7 @@ import asyncio
 import errno
 import logging
 import os
+import pickle
 import socket
 import ssl
 import threading
@@ -97,6 +98,8 @@ class TransportStatistics:
     handshakes_failed: int
     protocol_errors: int
     dead_peers: tuple[int, ...]
+    #: tensor bytes this worker read straight from peers' memory (same host), not the socket
+    bytes_read_directly: int = 0
 
 
 class FrameHandler:
@@ -122,6 +125,16 @@ class LoopbackConnection:
         self.peer = rank
         self.peer_label = label
         self._transport = transport
+
+    def send_frame(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+    ) -> None:
+        self.send(encode_frame(kind, message_id, meta, buffers, flags))
 
     def send(self, pieces: list[Piece]) -> None:
         if self.closed:
@@ -163,6 +176,7 @@ class Transport:
         self._heartbeat: asyncio.TimerHandle | None = None
         self._closing = False
         self._accepted = self._opened = self._failed_handshakes = self._protocol_errors = 0
+        self._bytes_read_directly = 0
         self.host_id = host_identity()
 
     # -- setup -----------------------------------------------------------------------------------
@@ -339,6 +353,8 @@ class Transport:
         self._handler.on_frame(conn, frame)
 
     def on_closed(self, conn: Connection, error: Exception | None) -> None:
+        if conn in self._conns:
+            self._bytes_read_directly += conn.bytes_read_directly
         self._conns.discard(conn)
         if self._out.get(conn.peer) is conn:
             del self._out[conn.peer]
@@ -421,6 +437,8 @@ class Transport:
             handshakes_failed=self._failed_handshakes,
             protocol_errors=self._protocol_errors,
             dead_peers=tuple(sorted(self._dead)),
+            bytes_read_directly=self._bytes_read_directly
+            + sum(c.bytes_read_directly for c in list(self._conns)),
         )
 
 

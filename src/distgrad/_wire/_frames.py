@@ -4,8 +4,13 @@ A frame is::
 
     header    16 bytes  <B kind> <B flags> <H nbuffers> <I meta_len> <Q message_id>
     lengths   8 * nbuffers bytes, one little-endian u64 per out-of-band buffer
+    refs      only with FLAG_BY_REFERENCE: a u64 transfer id, then one u64 address per buffer
     meta      meta_len bytes: the pickle stream
-    buffers   the out-of-band buffers, back to back
+    buffers   the out-of-band buffers, back to back (those with an address are not here)
+
+A buffer with a non-zero address stays in the sender's memory; the receiver reads it directly
+(``distgrad._transport._memory``, only between processes that agreed to it) and then sends a
+``RELEASE`` naming the transfer id, after which the sender lets go of the memory.
 
 The parser validates every length against the connection's limits *before* it allocates
 anything, and reads large buffers straight into memory that becomes the tensor's storage
@@ -22,13 +27,27 @@ from __future__ import annotations
 import enum
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy
 
 from .._config import DIRECT_RECV_THRESHOLD, RECV_STAGING_SIZE
 from .._errors import MessageTooLargeError, ProtocolError
 from ._pickler import allocate_buffer
 
-__all__ = ["HEADER", "MAX_BUFFERS", "Frame", "FrameParser", "Kind", "encode_frame"]
+__all__ = [
+    "FLAG_BY_REFERENCE",
+    "HEADER",
+    "MAX_BUFFERS",
+    "Frame",
+    "FrameParser",
+    "Kind",
+    "buffer_address",
+    "encode_frame",
+    "encode_frame_by_reference",
+]
 
 HEADER = struct.Struct("<BBHIQ")
 #: At most this many out-of-band buffers in one frame (bounds the lengths block to 32 KiB).
@@ -46,6 +65,13 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 4
     GOODBYE = 5
     NOTIFY = 6  # a one-way internal message: a pickle, never answered
+    MEMORY_OFFER = 7  # "read my probe": u64 address + the bytes found there
+    MEMORY_ACCEPT = 8  # "I can read your memory": send large buffers by reference
+    RELEASE = 9  # transfer ids (u64 each) whose by-reference buffers were read
+
+
+#: Frame flag (the top bit; the lower ones belong to the pickler): the frame has a refs block.
+FLAG_BY_REFERENCE = 0x80
 
 
 _KINDS = frozenset(int(k) for k in Kind)
@@ -60,6 +86,7 @@ class Frame:
     meta: bytes | bytearray
     buffers: list[memoryview] = field(default_factory=list)
     flags: int = 0
+    transfer: int = -1  # >= 0: buffers were read from the sender's memory; release this id
 
 
 def encode_frame(
@@ -70,6 +97,8 @@ def encode_frame(
     flags: int = 0,
 ) -> list[bytes | memoryview]:
     """The pieces to write for one frame (header+meta in one piece, buffers as views)."""
+    if flags & FLAG_BY_REFERENCE:
+        raise ValueError("frame flag 0x80 is reserved for the transport")
     if not buffers:
         return [HEADER.pack(kind, flags, 0, len(meta), message_id) + meta]
     views = [b.raw() for b in buffers]
@@ -80,18 +109,56 @@ def encode_frame(
     return [head + lengths + meta, *views]
 
 
+def encode_frame_by_reference(
+    kind: int,
+    message_id: int,
+    meta: bytes,
+    buffers: list[pickle.PickleBuffer],
+    flags: int,
+    transfer: int,
+    threshold: int,
+) -> tuple[list[bytes | memoryview], list[memoryview]]:
+    """The pieces for a frame whose buffers of at least ``threshold`` bytes stay behind, and
+    those buffers (to keep alive and unchanged until the receiver releases ``transfer``)."""
+    views = [b.raw() for b in buffers]
+    if len(views) > MAX_BUFFERS:
+        raise ProtocolError(f"a message may carry at most {MAX_BUFFERS} tensors, got {len(views)}")
+    kept = [v for v in views if v.nbytes >= threshold]
+    addresses = [buffer_address(v) if v.nbytes >= threshold else 0 for v in views]
+    head = HEADER.pack(kind, flags | FLAG_BY_REFERENCE, len(views), len(meta), message_id)
+    table = struct.pack(f"<{2 * len(views) + 1}Q", *(v.nbytes for v in views), transfer, *addresses)
+    return [head + table + meta, *(v for v in views if v.nbytes < threshold)], kept
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of the first byte of a contiguous buffer (read-only ones too)."""
+    array: Any = numpy.frombuffer(view, dtype=numpy.uint8)
+    return int(array.ctypes.data)
+
+
+#: Reads ``view.nbytes`` bytes at an address in the sender's memory into ``view``.
+RemoteReader = Callable[[int, memoryview], None]
+
+
 class FrameParser:
-    """Incremental frame parser over a staging buffer, with direct reads for large buffers."""
+    """Incremental frame parser over a staging buffer, with direct reads for large buffers.
+
+    ``read_remote`` fetches buffers a frame left in the sender's memory; without it such a
+    frame is a protocol error.
+    """
 
     def __init__(
         self,
         max_message_size: int,
         staging_size: int = RECV_STAGING_SIZE,
         direct_threshold: int = DIRECT_RECV_THRESHOLD,
+        read_remote: RemoteReader | None = None,
     ) -> None:
         if direct_threshold > staging_size // 2:
             raise ValueError("direct_threshold must be at most half the staging size")
         self._max = max_message_size
+        self._read_remote = read_remote
+        self._refs: tuple[int, list[int]] | None = None  # (transfer id, addresses)
         self._direct_threshold = direct_threshold
         self._staging = bytearray(staging_size)
         self._view = memoryview(self._staging)
@@ -202,6 +269,19 @@ class FrameParser:
                     f"frame announces {total} bytes; the maximum message size is {self._max}"
                 )
             self._lengths = lengths
+            self._refs = None
+        if flags & FLAG_BY_REFERENCE and self._refs is None:
+            need = 8 + 8 * nbuf
+            if self._available() < need:
+                self._ensure_room(need)
+                return None
+            transfer, *addresses = struct.unpack(f"<{nbuf + 1}Q", self._take(need))
+            if self._read_remote is None:
+                raise ProtocolError(
+                    "frame refers to buffers in the sender's memory, which this connection "
+                    "did not agree to read"
+                )
+            self._refs = (transfer, addresses)
         if self._meta is None:
             if meta_len <= self._direct_threshold:
                 if self._available() < meta_len:
@@ -214,7 +294,9 @@ class FrameParser:
                     return None
         while len(self._buffers) < len(self._lengths):
             n = self._lengths[len(self._buffers)]
-            if n < self._direct_threshold:
+            if self._refs is not None and self._refs[1][len(self._buffers)]:
+                self._buffers.append(self._fetch(self._refs[1][len(self._buffers)], n))
+            elif n < self._direct_threshold:
                 if self._available() < n:
                     self._ensure_room(n)
                     return None
@@ -227,10 +309,21 @@ class FrameParser:
                     return None
         meta = self._meta
         assert meta is not None
-        frame = Frame(kind, message_id, meta, self._buffers, flags)
-        self._header = self._lengths = self._meta = None
+        frame = Frame(kind, message_id, meta, self._buffers, flags & ~FLAG_BY_REFERENCE)
+        if self._refs is not None:
+            frame.transfer = self._refs[0]
+        self._header = self._lengths = self._meta = self._refs = None
         self._buffers = []
         return frame
+
+    def _fetch(self, address: int, n: int) -> memoryview:
+        assert self._read_remote is not None
+        buf = allocate_buffer(n)
+        try:
+            self._read_remote(address, buf)
+        except OSError as exc:
+            raise ProtocolError(f"could not read a {n}-byte buffer from the sender: {exc}") from exc
+        return buf
 
     def _start_direct(self, target: bytearray | memoryview) -> None:
         view = memoryview(target).cast("B")

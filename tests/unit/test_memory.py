@@ -1,0 +1,56 @@
+"""Unit tests of direct memory reads (``distgrad._transport._memory``) within this process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from distgrad._transport import _memory
+from distgrad._wire._frames import buffer_address
+
+pytestmark = pytest.mark.skipif(not _memory.available(), reason="needs Linux process_vm_readv")
+
+
+def test_read_memory_copies_a_range_of_the_process() -> None:
+    source = bytearray(os.urandom(1 << 20))
+    into = bytearray(len(source))
+    _memory.read_memory(os.getpid(), buffer_address(memoryview(source)), memoryview(into))
+    assert into == source
+
+
+def test_read_memory_of_an_unmapped_range_raises_oserror() -> None:
+    with pytest.raises(OSError, match="memory"):
+        _memory.read_memory(os.getpid(), 4096, memoryview(bytearray(64)))
+
+
+def test_probe_is_accepted_only_when_its_bytes_are_found() -> None:
+    """An offer is accepted when the reader finds the offered bytes at the offered address; a
+    wrong address, wrong bytes or a truncated offer is refused (the reader falls back)."""
+    probe = _memory.MemoryProbe()
+    offer = probe.offer()
+    assert _memory.MemoryProbe.check(os.getpid(), offer)
+    tampered = offer[:-1] + bytes([offer[-1] ^ 1])
+    assert not _memory.MemoryProbe.check(os.getpid(), tampered)
+    assert not _memory.MemoryProbe.check(os.getpid(), (4096).to_bytes(8, "little") + offer[8:])
+    assert not _memory.MemoryProbe.check(os.getpid(), offer[:10])
+
+
+def test_peer_pid_comes_from_the_kernel_and_only_for_unix_sockets() -> None:
+    """A socketpair's other end is this very process: no peer to read (``None``); TCP sockets
+    never name a peer process."""
+    a, b = socket.socketpair()
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        assert _memory.peer_pid(a) is None  # our own pid is not a peer
+        assert _memory.peer_pid(tcp) is None
+    finally:
+        a.close()
+        b.close()
+        tcp.close()
+
+
+def test_environment_turns_reads_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTGRAD_CROSS_MEMORY", "0")
+    assert not _memory.available()
