@@ -255,14 +255,14 @@ def direct_reads_program(rank: int, world_size: int) -> dict[str, int] | str:
     gen = torch.Generator().manual_seed(0)
     big = torch.randn(1 << 20, generator=gen)  # 4 MiB: by reference where reads work
     small = torch.randn(100, generator=gen)  # inline
-    view = torch.randn(1024, 600, generator=gen).t()  # 2.3 MiB, sent as the view it is
+    view = torch.randn(2048, 600, generator=gen).t()  # 4.7 MiB, sent as the view it is
     back = rpc.rpc_sync("worker1", echo, ((big, small, [view]),))
     assert torch.equal(back[0], big) and torch.equal(back[1], small)
     assert torch.equal(back[2][0], view) and back[2][0].stride() == view.stride()
     back[0].add_(1)  # what came back is this worker's own copy
     assert not torch.equal(back[0], big)
     # many in flight at once, each reply computed from its own request
-    inputs = [torch.full((300_000,), float(i)) for i in range(8)]
+    inputs = [torch.full((1_100_000,), float(i)) for i in range(8)]
     futures = [rpc.rpc_async("worker1", double, (x,)) for x in inputs]
     for x, fut in zip(inputs, futures, strict=True):
         assert torch.equal(fut.wait(), x * 2)
@@ -290,7 +290,7 @@ def _reads_possible() -> bool:
 
 @pytest.mark.parametrize("reads", ["on", "off"])
 def test_large_tensors_between_same_host_workers_are_read_directly(reads: str) -> None:
-    """Between workers on one host, tensors of 1 MiB and more are read from the sender's memory
+    """Between workers on one host, tensors of 4 MiB and more are read from the sender's memory
     (one copy, not two through the socket): with that on, each worker read them directly; with
     DISTGRAD_CROSS_MEMORY=0 everything goes through the socket. Results are identical."""
     if reads == "on" and not _reads_possible():
@@ -303,6 +303,6 @@ def test_large_tensors_between_same_host_workers_are_read_directly(reads: str) -
     if reads == "off":
         assert read == {"worker0": 0, "worker1": 0}
         return
-    big, view, doubled = 4 << 20, 1024 * 600 * 4, 8 * 300_000 * 4
+    big, view, doubled = 4 << 20, 2048 * 600 * 4, 8 * 1_100_000 * 4
     # worker1 read the requests' tensors and worker0 the replies' (the small one went inline)
     assert read == {"worker0": 2 * big + view + doubled, "worker1": 2 * big + view + doubled}
