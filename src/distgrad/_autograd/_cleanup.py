@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
+from .._errors import DistgradError, RpcShutdownError
 from .._rpc._agent import current_agent
 from ._context import CONTAINER, DistAutogradContext
 from ._engine import BackwardError
@@ -49,13 +48,17 @@ def after_release(ctx: DistAutogradContext, notified: frozenset[int] = frozenset
 def _send_cleanup(
     agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int
 ) -> None:
-    """Best effort, retried: a failure other than a dead peer or a stopped agent is retried."""
-    future = agent.send_with_retries(worker, _cleanup_message, (context_id, told), attempts)
-
-    def done(result: torch.futures.Future[Any]) -> None:
+    """Best effort, retried, one-way: releasing a context needs no answer (an answer would
+    cost the peer a response and this worker a wake-up per context, on the next step's time).
+    A send that fails on a broken connection is retried (the next attempt reconnects); a dead
+    peer or a stopped agent ends it."""
+    for attempt in range(attempts):
         try:
-            result.wait()
-        except Exception as exc:
-            _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
-
-    future.add_done_callback(done)
+            agent.notify(worker, _cleanup_message, (context_id, told))
+            return
+        except RpcShutdownError:
+            return
+        except DistgradError as exc:
+            if attempt + 1 == attempts or agent.peer_is_dead(worker):
+                _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
+                return

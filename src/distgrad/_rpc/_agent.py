@@ -330,6 +330,10 @@ class RpcAgent(FrameHandler):
         self._check_size(encoded)
         conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
 
+    def peer_is_dead(self, dst: int) -> bool:
+        """True once worker ``dst`` is known to be dead."""
+        return self._transport is not None and self._transport.is_dead(dst)
+
     def send_with_retries(
         self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = 3
     ) -> torch.futures.Future[Any]:

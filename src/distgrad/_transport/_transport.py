@@ -214,6 +214,10 @@ class Transport:
             return conn
         return self._connect(rank)
 
+    def is_dead(self, rank: int) -> bool:
+        """True once ``rank`` is known to be dead (every later send to it fails)."""
+        return rank in self._dead
+
     def check_alive(self, rank: int) -> None:
         """Raise the peer's failure if it is known to be dead."""
         dead = self._dead.get(rank)
