@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,3 +155,41 @@ def test_shutdown_timeout_with_a_peer_that_does_not_shut_down() -> None:
     results = run_workers(stubborn_program, 2, timeout=60, shutdown=False)
     assert "worker1" in results[0]["error"], results[0]
     assert "worker0" in results[1]["error"], results[1]
+
+
+def stop_serving() -> str:
+    """Stop this worker's pool of worker threads, as the last step of its shutdown does."""
+    rpc._get_current_rpc_agent()._workers.stop()
+    return "stopped"
+
+
+def late_request_program(rank: int, world_size: int, marker: str) -> dict[str, Any] | str:
+    done = Path(marker)
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rpc.shutdown(graceful=False)
+        return "served"
+    assert rpc.rpc_sync("worker1", stop_serving) == "stopped"
+    started = time.monotonic()
+    with pytest.raises(rpc.RpcShutdownError, match="worker1 is shutting down") as caught:
+        rpc.rpc_sync("worker1", echo, (1,), timeout=30)
+    took = time.monotonic() - started
+    done.touch()
+    rpc.shutdown(graceful=False)
+    return {"took": took, "error": str(caught.value)}
+
+
+def test_request_to_a_worker_that_stopped_serving_fails_at_once(tmp_path: Path) -> None:
+    """A request that reaches a worker whose worker threads have stopped (the end of its
+    shutdown) is answered with an error at once; the caller does not wait out its timeout."""
+    results = run_workers(
+        late_request_program,
+        2,
+        timeout=60,
+        shutdown=False,
+        kwargs={"marker": str(tmp_path / "done")},
+    )
+    assert results[1] == "served"
+    assert results[0]["took"] < 5.0, results[0]

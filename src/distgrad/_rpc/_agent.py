@@ -429,7 +429,10 @@ class RpcAgent(FrameHandler):
         elif call.callback is not None:
             self._run_callback(call)
         else:
-            self._callbacks.submit(self._complete_future, call)
+            try:
+                self._callbacks.submit(self._complete_future, call)
+            except RuntimeError:  # the callback pool is stopped (shutting down): complete here
+                self._complete_future(call)
 
     def _run_callback(self, call: _Call) -> None:
         callback = call.callback
@@ -492,7 +495,16 @@ class RpcAgent(FrameHandler):
     # -- receiving (I/O thread) ------------------------------------------------------------------
     def on_frame(self, conn: AnyConnection, frame: Frame) -> None:
         if frame.kind == Kind.REQUEST:
-            self._workers.submit(self._serve, conn, frame)
+            try:
+                self._workers.submit(self._serve, conn, frame)
+            except RuntimeError:  # the pool is stopped: say so rather than let the caller wait
+                self._reply_error(
+                    conn,
+                    frame.message_id,
+                    RpcShutdownError(
+                        f"{self.worker_info.name} is shutting down and takes no more requests"
+                    ),
+                )
             return
         if frame.kind == Kind.NOTIFY:
             self._on_notify(conn, frame)
