@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from .._errors import DistgradError, RpcShutdownError
+from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from ._context import CONTAINER, DistAutogradContext
 from ._engine import BackwardError
@@ -51,7 +54,11 @@ def _send_cleanup(
     """Best effort, retried, one-way: releasing a context needs no answer (an answer would
     cost the peer a response and this worker a wake-up per context, on the next step's time).
     A send that fails on a broken connection is retried (the next attempt reconnects); a dead
-    peer or a stopped agent ends it."""
+    peer or a stopped agent ends it. Under torch's profiler it is a request, so that it shows
+    in the trace like the other internal messages."""
+    if _profiling.wants(_cleanup_message):
+        _send_cleanup_profiled(agent, worker, context_id, told, attempts)
+        return
     for attempt in range(attempts):
         try:
             agent.notify(worker, _cleanup_message, (context_id, told))
@@ -62,3 +69,17 @@ def _send_cleanup(
             if attempt + 1 == attempts or agent.peer_is_dead(worker):
                 _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
                 return
+
+
+def _send_cleanup_profiled(
+    agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int
+) -> None:
+    future = agent.send_with_retries(worker, _cleanup_message, (context_id, told), attempts)
+
+    def done(result: torch.futures.Future[Any]) -> None:
+        try:
+            result.wait()
+        except Exception as exc:
+            _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
+
+    future.add_done_callback(done)
