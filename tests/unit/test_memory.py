@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import socket
 
@@ -54,3 +56,25 @@ def test_peer_pid_comes_from_the_kernel_and_only_for_unix_sockets() -> None:
 def test_environment_turns_reads_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DISTGRAD_CROSS_MEMORY", "0")
     assert not _memory.available()
+
+
+def test_large_reads_are_split_between_two_threads_and_exact() -> None:
+    """Ranges from 8 MiB are copied in two halves by two threads; odd sizes come out whole."""
+    source = bytearray(os.urandom(9 * 1024 * 1024 + 12345))
+    into = bytearray(len(source))
+    _memory.read_memory(os.getpid(), buffer_address(memoryview(source)), memoryview(into))
+    assert into == source
+
+
+def test_a_failure_in_either_half_of_a_split_read_raises() -> None:
+    """The helper thread's half fails (its pages are not readable): the read raises."""
+    size = 16 * 1024 * 1024
+    region = mmap.mmap(-1, size)
+    address = buffer_address(memoryview(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(address + size // 2, size // 2, 0) == 0  # PROT_NONE
+    with pytest.raises(OSError, match="memory"):
+        _memory.read_memory(os.getpid(), address, memoryview(bytearray(size)))
+    assert libc.mprotect(address + size // 2, size // 2, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+    region.close()
