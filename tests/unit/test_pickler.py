@@ -398,3 +398,60 @@ def test_empty_tensor_with_odd_strides() -> None:
     view = big[:, 5:5]
     y, nbytes = wire(view)
     assert y.shape == (100, 0) and nbytes == 0
+
+
+def _plain_target(x: int) -> int:
+    return x
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        None,
+        3,
+        2.5,
+        "text",
+        b"bytes",
+        (_plain_target, (1, "a", None), {"k": 2.0}),
+        (_plain_target, (), {}),
+        (torch.add, (1, 2), {}),
+    ],
+    ids=repr,
+)
+def test_plain_messages_take_the_fast_path_and_round_trip(obj: Any) -> None:
+    """Atoms and small requests of atoms go through plain pickle (no tensor table set-up) and
+    come back equal; the stream is the one plain pickle makes."""
+    from distgrad._wire._pickler import _is_plain
+
+    assert _is_plain(obj)
+    encoded = encode(obj)
+    assert encoded.meta == pickle.dumps(obj, protocol=5)
+    assert encoded.buffers == [] and encoded.flags == 0
+    assert loads(encoded.meta) == obj
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        torch.ones(2),
+        (_plain_target, (torch.ones(2),), {}),
+        (_plain_target, (), {"t": torch.ones(2)}),
+        (_plain_target, ([1, 2],), {}),  # a list: one level deeper than the fast path looks
+        (_plain_target, tuple(range(9)), {}),  # too long to scan
+        [1, 2, 3],
+        {"a": 1},
+    ],
+    ids=lambda o: type(o).__name__,
+)
+def test_anything_else_takes_the_tensor_aware_pickler(obj: Any) -> None:
+    """Tensors anywhere (and shapes the fast path does not scan) go through the tensor-aware
+    pickler: their storage travels out of band."""
+    from distgrad._wire._pickler import _is_plain
+
+    assert not _is_plain(obj)
+    encoded = encode(obj)
+    back = loads(encoded.meta, [b.raw() for b in encoded.buffers], encoded.flags)
+    if isinstance(obj, torch.Tensor):
+        assert encoded.buffers and torch.equal(back, obj)
+    elif isinstance(obj, tuple) and any(isinstance(a, torch.Tensor) for a in obj[1]):
+        assert encoded.buffers and torch.equal(back[1][0], obj[1][0])

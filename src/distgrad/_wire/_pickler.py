@@ -28,6 +28,7 @@ import io
 import mmap
 import pickle
 import threading
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -380,7 +381,42 @@ def encode(
             cache.release()
 
 
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PLAIN_CALLABLES = frozenset({types.FunctionType, types.BuiltinFunctionType})
+
+
+def _is_plain(obj: Any) -> bool:
+    """True for what plain pickle handles exactly as this pickler would: an atom, or a small
+    tuple of atoms, module-level functions (by reference) and small tuples or str-keyed dicts
+    of atoms -- the shape of a small request ``(func, args, kwargs)``. The common small
+    message then skips the tensor-aware pickler's set-up (about 5 µs on each side of a call).
+    Written as loops: generators would cost as much as they save."""
+    atoms = _ATOMS
+    kind = type(obj)
+    if kind in atoms:
+        return True
+    if kind is not tuple or len(obj) > 8:
+        return False
+    for item in obj:
+        kind = type(item)
+        if kind in atoms or kind in _PLAIN_CALLABLES:
+            continue
+        if kind is tuple and len(item) <= 8:
+            for value in item:
+                if type(value) not in atoms:
+                    return False
+        elif kind is dict and len(item) <= 8:
+            for key, value in item.items():
+                if type(key) is not str or type(value) not in atoms:
+                    return False
+        else:
+            return False
+    return True
+
+
 def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
+    if _is_plain(obj):
+        return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
     file, buffers, pickler, reuse = cache.acquire(table=True)
     _policy.device_check = device_check
     try:
