@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 import socket
+import time
 
 import pytest
 
@@ -78,3 +79,36 @@ def test_a_failure_in_either_half_of_a_split_read_raises() -> None:
         _memory.read_memory(os.getpid(), address, memoryview(bytearray(size)))
     assert libc.mprotect(address + size // 2, size // 2, mmap.PROT_READ | mmap.PROT_WRITE) == 0
     region.close()
+
+
+def test_a_sender_that_died_is_a_peer_failure_not_a_protocol_error() -> None:
+    """A by-reference read from a process that is gone (ESRCH) fails as the peer's death, so
+    the transport condemns the peer (and fails what waits on it) instead of treating it as a
+    bad frame."""
+    from distgrad._errors import PeerFailureError
+    from distgrad._transport._connection import Connection
+    from distgrad._transport._io import IoThread
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    while _state(child) != "Z":
+        time.sleep(0.01)  # a zombie: no memory any more, and its pid cannot be reused yet
+    a, b = socket.socketpair()
+    io = IoThread()
+    try:
+        conn = Connection(None, io, a, 1, "worker w1 (rank 1)", 1 << 30)  # type: ignore[arg-type]
+        conn._peer_pid, conn._read_peer = child, True
+        source = bytearray(64)
+        with pytest.raises(PeerFailureError, match="died before its message was read"):
+            conn._read_remote(buffer_address(memoryview(source)), memoryview(bytearray(64)))
+    finally:
+        a.close()
+        b.close()
+        io.loop.close()
+        os.waitpid(child, 0)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

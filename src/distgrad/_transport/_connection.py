@@ -286,7 +286,12 @@ class Connection:
             raise ProtocolError(
                 f"{self.peer_label} sent buffers by reference without an accepted offer"
             )
-        _memory.read_memory(self._peer_pid, address, into)
+        try:
+            _memory.read_memory(self._peer_pid, address, into)
+        except ProcessLookupError as exc:  # the sender is gone: a dead peer, not bad input
+            raise PeerFailureError(
+                f"{self.peer_label} died before its message was read", self.peer_label
+            ) from exc
         self.bytes_read_directly += into.nbytes
 
     def _on_control(self, frame: Frame) -> None:
@@ -355,6 +360,9 @@ class Connection:
                         self._on_control(frame)
             except ProtocolError as exc:
                 _log.warning("dropping connection from %s: %s", self.peer_label, exc)
+                self._fail(exc)
+                return
+            except PeerFailureError as exc:
                 self._fail(exc)
                 return
             for frame in frames:
