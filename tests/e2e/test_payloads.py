@@ -153,7 +153,7 @@ def receiver_limit(rank: int, world_size: int) -> str:
         return "served"
     too_big = 2 * 1024 * 1024
     # worker1 alone has the 1 MiB limit: it receives a request above it
-    with pytest.raises(RuntimeError, match="maximum message size"):
+    with pytest.raises(RuntimeError, match=r"maximum message size of worker worker1 \(rank 1\)"):
         rpc.rpc_sync("worker1", echo, (make_bytes(too_big),))
     # and a response above it
     assert "maximum message size" in rpc.rpc_sync("worker1", fetch_big_from, ("worker0", too_big))
@@ -163,15 +163,10 @@ def receiver_limit(rank: int, world_size: int) -> str:
     return "ok"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: when only the receiver's max_message_size is exceeded, it resets the "
-    "connection: the sender's call fails with 'Connection reset by peer' and the peer that "
-    "sent the oversized message is treated as dead from then on",
-)
 def test_message_above_only_the_receivers_maximum() -> None:
     """With the limit set on the receiving worker only, an oversized request or response
-    fails that call with an error naming the limit; both workers keep talking both ways."""
+    fails that call with an error naming the limit (each worker publishes its limit with its
+    address, and senders check against it); both workers keep talking both ways."""
     results = run_workers(
         receiver_limit, 2, timeout=60, rank_options={1: {"max_message_size": 1024 * 1024}}
     )

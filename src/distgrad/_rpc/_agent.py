@@ -121,6 +121,7 @@ class RpcAgent(FrameHandler):
         self.peer_failure_listeners: list[Callable[[int, Exception], None]] = []
         self.rrefs = RRefContext(self)
         self._device_checks: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._peer_limits: dict[int, int] = {}  # peers accepting less than this worker
         self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
 
     # -- start -----------------------------------------------------------------------------------
@@ -154,6 +155,11 @@ class RpcAgent(FrameHandler):
             self._by_rank[info.id] = info
         assert self._transport is not None
         self._transport.set_peers(addresses)
+        self._peer_limits = {
+            rank: address.max_message_size
+            for rank, address in addresses.items()
+            if 0 < address.max_message_size < self.options.max_message_size
+        }
         self._running = True
 
     def _label(self, rank: int) -> str:
@@ -225,7 +231,7 @@ class RpcAgent(FrameHandler):
                 lambda tensors: extension.outgoing_request(dst.id, tensors, force),
                 check,
             )
-        self._check_size(encoded)
+        self._check_size(encoded, dst.id)
         cid = next(self._ids)
         call = _Call(cid, conn, self._effective_timeout(timeout), internal, future, callback)
         if not internal:
@@ -327,7 +333,7 @@ class RpcAgent(FrameHandler):
             raise self._stopped_error("NOTIFY")
         conn = self.transport.connection(dst)
         encoded = encode((func, args))
-        self._check_size(encoded)
+        self._check_size(encoded, dst)
         conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
 
     def peer_is_dead(self, dst: int) -> bool:
@@ -643,7 +649,7 @@ class RpcAgent(FrameHandler):
                     lambda tensors: extension.outgoing_response(state, peer, tensors),
                     check,
                 )
-            self._check_size(encoded)
+            self._check_size(encoded, peer)
         except BaseException as exc:
             self._reply_error(conn, message_id, exc)
             return
@@ -676,17 +682,22 @@ class RpcAgent(FrameHandler):
             check = self._device_checks[key] = refuse
         return check
 
-    def _check_size(self, encoded: Encoded) -> None:
-        """Refuse to send what the peer would refuse to receive (it would drop the connection:
-        the call would fail without saying why, and every call on that connection with it)."""
+    def _check_size(self, encoded: Encoded, dst: int) -> None:
+        """Refuse to send what this worker, or the peer (whose limit came with its address),
+        would refuse to receive: the peer would drop the connection, and the call would fail
+        without saying why, and every call on that connection with it."""
         limit = self.options.max_message_size
+        peer_limit = self._peer_limits.get(dst)
+        if peer_limit is not None:
+            limit = peer_limit
         size = len(encoded.meta)
         if encoded.buffers:
             size += sum(buffer.raw().nbytes for buffer in encoded.buffers)
         if size > limit:
+            whose = "" if peer_limit is None else f" of {self._label(dst)}"
             raise MessageTooLargeError(
-                f"message of {size} bytes exceeds the maximum message size of {limit} bytes "
-                "(TensorPipeRpcBackendOptions(max_message_size=...))"
+                f"message of {size} bytes exceeds the maximum message size{whose} of {limit} "
+                "bytes (TensorPipeRpcBackendOptions(max_message_size=...))"
             )
 
     def _reply_error(

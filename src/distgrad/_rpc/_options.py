@@ -61,7 +61,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             ``$DISTGRAD_SECRET``, else rank 0 generates one and shares it through the
             rendezvous store -- which then must be trusted (see docs/security.md).
         server_ssl_context / client_ssl_context: enable TLS on TCP connections between hosts.
-        max_message_size: bound on one message in bytes; larger frames drop the connection.
+        max_message_size: bound on one message in bytes, published to the peers: a message
+            above this worker's or the receiver's bound fails its call before it is sent; a
+            larger frame that arrives anyway drops the connection.
         heartbeat_interval / peer_timeout: a peer silent for ``peer_timeout`` seconds is dead.
         listen_addr: address to listen on for TCP (default: derived from the rendezvous).
     """

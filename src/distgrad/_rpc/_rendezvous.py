@@ -117,6 +117,7 @@ def exchange_addresses(
         "port": address.port,
         "unix": address.unix.encode("latin-1").hex() if address.unix else None,
         "host_id": address.host_id,
+        "max_message_size": address.max_message_size,
     }
     store.set(f"distgrad/worker/{info.id}", json.dumps(record))
     keys = [f"distgrad/worker/{rank}" for rank in range(world_size)]
@@ -144,7 +145,13 @@ def exchange_addresses(
         seen[name] = rank
         workers.append(WorkerInfo(name, rank))
         unix = bytes.fromhex(rec["unix"]).decode("latin-1") if rec["unix"] else None
-        addresses[rank] = PeerAddress(str(rec["host"]), int(rec["port"]), unix, str(rec["host_id"]))
+        addresses[rank] = PeerAddress(
+            str(rec["host"]),
+            int(rec["port"]),
+            unix,
+            str(rec["host_id"]),
+            int(rec.get("max_message_size") or 0),
+        )
     return workers, addresses
 
 

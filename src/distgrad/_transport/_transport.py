@@ -71,6 +71,8 @@ class PeerAddress:
     port: int
     unix: str | None
     host_id: str
+    #: the largest message the worker accepts (0: not published)
+    max_message_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +197,7 @@ class Transport:
         for listener in self._listeners:
             listener.setblocking(False)
         self._io.run(self._start_listening())
-        return PeerAddress(host, port, unix_name, self.host_id)
+        return PeerAddress(host, port, unix_name, self.host_id, self.config.max_message_size)
 
     async def _start_listening(self) -> None:
         loop = asyncio.get_running_loop()
