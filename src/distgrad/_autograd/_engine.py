@@ -46,7 +46,7 @@ from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from .._rpc._functions import async_execution, on_io_thread
 from ._context import CONTAINER, DistAutogradContext
-from ._functions import RecvRecord, SendRecord
+from ._functions import Reach, RecvRecord, SendRecord, reach_of
 
 __all__ = ["BackwardError", "backward", "install"]
 
@@ -137,7 +137,7 @@ class Pass:
         self.finished = False
         #: on the worker that called backward: gradient messages and answers for its thread
         self.driver: queue.SimpleQueue[Any] | None = None
-        self._keep: list[Any] = []  # graph node wrappers stay alive while ids are compared
+        self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
 
     # -- joining -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,17 +149,23 @@ class Pass:
         by_node = {id(r.node): r.msg_id for r in recv_records.values()}
         for msg_id, record in recv_records.items():
             self.recvs[msg_id] = _RecvState(record)
-        starts: dict[int, list[Any]] = {k: [r.node] for k, r in sends.items()}
+        reaches: dict[int, Reach] = {k: r.get_reach() for k, r in sends.items()}
         if self.roots is not None:
-            starts[ROOT] = [root.grad_fn for root in self.roots]
-        owner: dict[int, int] = {}
-        for key, nodes in starts.items():
-            source = self.sources[key] = _Source(key)
-            for node_id in self._walk(nodes, source, by_node):
-                other = owner.setdefault(node_id, key)
-                if other != key:
-                    source.shared = True
-                    self.sources[other].shared = True
+            reaches[ROOT] = reach_of([root.grad_fn for root in self.roots])
+        self._keep.extend(reaches.values())
+        seen: set[int] = set()
+        for key, reach in reaches.items():
+            source = _Source(key)
+            source.leaves = reach.leaves
+            source.recvs = {by_node[n] for n in reach.recv_nodes if n in by_node}
+            ids = reach.nodes.keys()
+            if not seen.isdisjoint(ids):  # shares nodes with a source before it: which ones
+                source.shared = True
+                for other_key, other in self.sources.items():
+                    if not ids.isdisjoint(reaches[other_key].nodes):
+                        other.shared = True
+            seen.update(ids)
+            self.sources[key] = source
         for key, source in self.sources.items():
             for msg_id in source.recvs:
                 self.recvs[msg_id].sources.add(key)
@@ -182,26 +188,6 @@ class Pass:
                     _start_message,
                     (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id),
                 )
-
-    def _walk(self, nodes: list[Any], source: _Source, by_node: dict[int, int]) -> set[int]:
-        seen: set[int] = set()
-        stack = list(nodes)
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            self._keep.append(node)
-            recv = by_node.get(id(node))
-            if recv is not None:
-                source.recvs.add(recv)
-                continue
-            if type(node).__name__ == "AccumulateGrad":
-                variable = node.variable
-                source.leaves[id(variable)] = variable
-                continue
-            stack.extend(edge[0] for edge in node.next_functions)
-        return seen
 
     # -- running torch's engine ------------------------------------------------------------------
     def run(

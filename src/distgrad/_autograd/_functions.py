@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["RecvRecord", "RecvRpc", "SendRecord", "SendRpc", "alias"]
+__all__ = ["Reach", "RecvRecord", "RecvRpc", "SendRecord", "SendRpc", "alias", "reach_of"]
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,14 +66,65 @@ class RecvRpc(torch.autograd.Function):
         )
 
 
+@dataclass(eq=False, slots=True)
+class Reach:
+    """What a backward run from some nodes reaches in the local graph: every node (by id; the
+    dict keeps the node objects, so the ids stay theirs), the leaves (``AccumulateGrad``
+    variables, by id) and the recv nodes (by id) where the run stops."""
+
+    nodes: dict[int, Any]
+    leaves: dict[int, torch.Tensor]
+    recv_nodes: list[int]
+
+
+_ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+
+
+def reach_of(roots: list[Any]) -> Reach:
+    """Walk the local graph down from ``roots`` (graph nodes) to leaves and recv nodes."""
+    recv_type = RecvRpc._backward_cls  # type: ignore[attr-defined]
+    nodes: dict[int, Any] = {}
+    leaves: dict[int, torch.Tensor] = {}
+    recv_nodes: list[int] = []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        key = id(node)
+        if key in nodes:
+            continue
+        nodes[key] = node
+        kind = type(node)
+        if kind is recv_type:
+            recv_nodes.append(key)
+        elif kind is _ACCUMULATE_GRAD:
+            variable = node.variable
+            leaves[id(variable)] = variable
+        else:
+            for edge in node.next_functions:
+                stack.append(edge[0])
+    return Reach(nodes, leaves, recv_nodes)
+
+
 @dataclass(eq=False)
 class SendRecord:
-    """A send function: its node, its outputs (they keep the node alive), the peer."""
+    """A send function: its node, its outputs (they keep the node alive), the peer, and (once
+    computed) what the graph below it reaches -- fixed from the send function's creation on,
+    since a node's edges never change, so it is computed once, ideally right after the message
+    went out (while the caller waits anyway), not when a backward pass needs it."""
 
     msg_id: int
     dst: int
     node: Any
     outputs: tuple[torch.Tensor, ...]
+    reach: Reach | None = None
+
+    def get_reach(self) -> Reach:
+        reach = self.reach
+        if reach is None:
+            reach = self.reach = reach_of([self.node])
+        return reach
 
 
 @dataclass(eq=False)

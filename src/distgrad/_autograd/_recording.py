@@ -11,13 +11,14 @@ function there. The callee runs the call with the caller's context as its curren
 
 from __future__ import annotations
 
+import threading
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from ._context import CONTAINER, DistAutogradContext
-from ._functions import attach_recv, attach_send
+from ._functions import SendRecord, attach_recv, attach_send
 
 __all__ = ["AutogradRecording"]
 
@@ -26,11 +27,23 @@ def _requires_grad(tensors: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+class _Unwalked(threading.local):
+    """Send functions created on this thread whose reach is not computed yet."""
+
+    def __init__(self) -> None:
+        self.records: list[SendRecord] = []
+
+
+_unwalked = _Unwalked()
+
+
 def _wrap(ctx: DistAutogradContext, dst: int, tensors: list[torch.Tensor], grad: bool) -> Any:
     msg_id = CONTAINER.new_autograd_message_id()
     if grad:
         needing = [t for t in tensors if t.requires_grad]
-        ctx.add_send_function(msg_id, attach_send(msg_id, dst, needing))
+        record = attach_send(msg_id, dst, needing)
+        ctx.add_send_function(msg_id, record)
+        _unwalked.records.append(record)
     ctx.add_known_worker(dst)
     return (ctx.context_id, msg_id, CONTAINER.worker_id)
 
@@ -87,3 +100,13 @@ class AutogradRecording:
         if ext is None:
             return tensors
         return _attach(ext, tensors)[0]
+
+    def sent(self) -> None:
+        """Walk the graph below the send functions of the message just sent, now rather than
+        when a backward pass starts: the caller waits for the answer anyway, the callee is
+        done, and the walk is off the backward pass's critical path."""
+        records = _unwalked.records
+        if records:
+            _unwalked.records = []
+            for record in records:
+                record.get_reach()

@@ -224,6 +224,7 @@ class RpcAgent(FrameHandler):
         extension = _extension.get_extension()
         check = self._device_check("Request", dst.id)
         if extension is None or internal or not extension.active():
+            extension = None
             encoded = encode(payload, device_check=check)
         else:
             encoded = encode(
@@ -244,6 +245,9 @@ class RpcAgent(FrameHandler):
             if self._calls.pop(cid, None) is not None:
                 self._done(call)
             raise
+        finally:
+            if extension is not None:
+                extension.sent()
         if conn.closed and self._calls.pop(cid, None) is not None:
             self._done(call)
             raise conn.broken_error()
@@ -640,20 +644,30 @@ class RpcAgent(FrameHandler):
         extension = _extension.get_extension()
         peer = conn.peer
         check = self._device_check("Response", peer)
-        try:
-            if state is None or extension is None:
+        if state is None or extension is None:
+            try:
                 encoded = encode(result, device_check=check)
-            else:
+                self._check_size(encoded, peer)
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            self._write(conn, Kind.RESPONSE, message_id, encoded.meta, encoded.buffers)
+            return
+        try:
+            try:
                 encoded = encode(
                     result,
                     lambda tensors: extension.outgoing_response(state, peer, tensors),
                     check,
                 )
-            self._check_size(encoded, peer)
-        except BaseException as exc:
-            self._reply_error(conn, message_id, exc)
-            return
-        self._write(conn, Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, encoded.flags)
+                self._check_size(encoded, peer)
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            flags = encoded.flags
+            self._write(conn, Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, flags)
+        finally:
+            extension.sent()
 
     def _device_check(self, direction: str, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """What the pickler calls for a tensor that is not on the CPU: distgrad moves only CPU

@@ -44,6 +44,11 @@ class CallExtension(Protocol):
     ) -> list[torch.Tensor]:
         """Caller, on a response with a tensor table: the tensors to build the result with."""
 
+    def sent(self) -> None:
+        """Sending thread, right after it wrote (or failed to write) a request or response
+        that went through the extension: time for work deferred from the send (a caller is
+        about to wait for its answer anyway, a callee is done with the call)."""
+
 
 _extension: CallExtension | None = None
 
