@@ -20,7 +20,9 @@ How a pass runs (see docs/design.md, "Distributed backward pass", for the reason
   ``START``, which a worker sends to the peer of each of its send functions that it has not
   messaged otherwise by the time its joining message (or the roots) was processed -- a peer
   that holds only sinks of this worker's messages would not learn of the pass otherwise.
-  Joining computes the reachability of recv functions from sources (one walk of the graph).
+  Joining needs what each source reaches (leaves, recv functions): the walk below a send
+  function is done once, when its message has gone out (``SendRecord.get_reach``), since that
+  part of the graph never changes; only the roots are walked when a pass starts.
 * **Completion by deferred replies.** The first message a worker receives in a pass is
   answered only when that worker's part is complete (all sources resolved, all recv functions
   final, all its own messages answered); later messages are answered at once. The first
