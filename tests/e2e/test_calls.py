@@ -19,6 +19,11 @@ def combine(a: object, b: object = 0, *, scale: int = 1) -> object:
     return (a + b) * scale  # type: ignore[operator]
 
 
+def slow_combine(a: object, b: object = 0) -> object:
+    time.sleep(0.3)  # still pending when the caller attaches its callback
+    return combine(a, b)
+
+
 def where_am_i(tag: object) -> tuple[str, int, object]:
     """Which worker, and which thread, ran this."""
     return rpc.get_worker_info().name, threading.get_ident(), tag
@@ -142,7 +147,10 @@ def from_many_threads(rank: int, world_size: int) -> str:
     assert not errors, errors[:3]
     # a slow callback does not hold up other calls: callbacks run off the I/O thread
     release = threading.Event()
-    slow = rpc.rpc_async(peer, combine, (1, 1)).then(lambda fut: release.wait(10) and fut.wait())
+    # (the call must still be pending when ``then`` is attached, or the callback runs inline)
+    pending = rpc.rpc_async(peer, slow_combine, (1, 1))
+    slow = pending.then(lambda fut: release.wait(10) and fut.wait())
+    assert not pending.done()
     started = time.monotonic()
     for _ in range(20):
         assert rpc.rpc_sync(peer, combine, (2, 2)) == 4
