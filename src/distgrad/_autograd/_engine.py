@@ -48,7 +48,7 @@ from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from .._rpc._functions import async_execution, on_io_thread
 from ._context import CONTAINER, DistAutogradContext
-from ._functions import Reach, RecvRecord, SendRecord, reach_of
+from ._functions import Reach, RecvRecord, SendRecord, reach_of, run_engine
 
 __all__ = ["BackwardError", "backward", "install"]
 
@@ -192,11 +192,10 @@ class Pass:
                 )
 
     # -- running torch's engine ------------------------------------------------------------------
-    def run(
-        self, items: list[tuple[int, tuple[torch.Tensor, ...], list[torch.Tensor], bool]]
-    ) -> None:
-        """One engine run from several sources: ``(key, outputs, grads, last)`` each."""
-        outputs: list[torch.Tensor] = []
+    def run(self, items: list[tuple[int, tuple[Any, ...], list[torch.Tensor], bool]]) -> None:
+        """One engine run from several sources: ``(key, roots, grads, last)`` each (roots: tensors
+        or gradient edges)."""
+        outputs: list[Any] = []
         grad_outputs: list[torch.Tensor] = []
         leaves: dict[int, torch.Tensor] = {}
         recv_ids: set[int] = set()
@@ -218,14 +217,7 @@ class Pass:
             inputs.extend(self.recvs[msg_id].record.edges)
         if not inputs:
             return
-        captured_all: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
-            outputs,
-            inputs,
-            grad_outputs,
-            retain_graph=retain,
-            allow_unused=True,
-            materialize_grads=False,
-        )
+        captured_all = run_engine(outputs, grad_outputs, inputs, retain)
         # Sources whose last message this was are resolved *before* the recv gradients go out,
         # so a recv function they finish sends its gradients and "final" in one message.
         for source in finishing:
@@ -356,7 +348,7 @@ class Pass:
     ) -> None:
         """Process gradient messages: the ones with gradients in one engine run (a subgraph
         shared by their send functions then runs once for all of them)."""
-        items: list[tuple[int, tuple[torch.Tensor, ...], list[torch.Tensor], bool]] = []
+        items: list[tuple[int, tuple[Any, ...], list[torch.Tensor], bool]] = []
         touched: list[int] = []
         for msg_id, grads, final, total in messages:
             source = self.sources.get(msg_id)
@@ -371,7 +363,7 @@ class Pass:
             if grads is not None:
                 source.processed += 1
                 last = source.final_seen and source.processed == source.expected
-                items.append((msg_id, record.outputs, grads, last))
+                items.append((msg_id, record.roots, grads, last))
             touched.append(msg_id)
         if items:
             self.run(items)

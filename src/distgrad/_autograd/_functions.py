@@ -14,13 +14,66 @@ distgrad's engine (``_engine``) decides when:
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["Reach", "RecvRecord", "RecvRpc", "SendRecord", "SendRpc", "alias", "reach_of"]
+__all__ = [
+    "Reach",
+    "RecvRecord",
+    "RecvRpc",
+    "SendRecord",
+    "SendRpc",
+    "alias",
+    "reach_of",
+    "run_engine",
+]
+
+_ENGINE: Any = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+_STASH = getattr(torch._C, "_stash_obj_in_tls", None)
+_UNSTASH = getattr(torch._C, "_remove_obj_from_tls", None)
+
+
+def run_engine(
+    roots: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor | GradientEdge],
+    retain_graph: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(roots, inputs, grads, retain_graph, allow_unused=True)``, straight
+    into torch's engine. The Python wrapper's argument checks cost more than a small engine run
+    (about 60 of 110 µs for one ``Linear``-sized node); the engine checks each root gradient's
+    shape and dtype against its root itself. The contextvars stash is what the wrapper does so
+    that device threads see the compiler's configuration."""
+    if _STASH is not None:
+        _STASH("context", contextvars.copy_context())
+    try:
+        return _ENGINE.run_backward(  # type: ignore[no-any-return]
+            tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, False
+        )
+    finally:
+        if _UNSTASH is not None:
+            _UNSTASH("context")
+
+
+@functools.cache
+def edge_roots() -> bool:
+    """True if torch's engine starts from ``GradientEdge`` roots (torch 2.4 and later): a
+    gradient message then runs the engine from the send function's next edges, and the send
+    function itself -- a Python node, about 12 µs -- never runs."""
+    leaf = torch.zeros(1, requires_grad=True)
+    node = (leaf * 1).grad_fn
+    assert node is not None
+    try:
+        (grad,) = run_engine([GradientEdge(node, 0)], [torch.ones(1)], [leaf], False)
+    except (TypeError, RuntimeError):
+        return False
+    return grad is not None and bool(grad.eq(1).all())
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,6 +172,14 @@ class SendRecord:
     node: Any
     outputs: tuple[torch.Tensor, ...]
     reach: Reach | None = None
+    roots: tuple[torch.Tensor | GradientEdge, ...] = ()
+
+    def __post_init__(self) -> None:
+        # where a gradient message starts the engine: below the send function, where torch can
+        if edge_roots():
+            self.roots = tuple(GradientEdge(fn, nr) for fn, nr in self.node.next_functions)
+        else:
+            self.roots = self.outputs
 
     def get_reach(self) -> Reach:
         reach = self.reach
