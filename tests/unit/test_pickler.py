@@ -166,6 +166,47 @@ def test_received_view_is_writable_and_independent() -> None:
     assert torch.equal(x, torch.arange(6.0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_views_of_every_dtype_keep_strides_and_bits(dtype: torch.dtype) -> None:
+    """Transposed and expanded views of every dtype (numpy's and the others, e.g. bfloat16)
+    come back with their strides and bits, as tensors of their own (not views)."""
+    base = random_tensor(dtype, (3, 5))
+    for view in (base.t(), base[:, :1].expand(3, 7)):
+        y = roundtrip(view)
+        assert y.dtype == dtype and y.shape == view.shape and y.stride() == view.stride()
+        assert same_bits(y.contiguous(), view.contiguous())
+        assert not y._is_view()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_contiguous_results_are_leaves_of_their_own(requires_grad: bool) -> None:
+    """The fast path's received tensor is no view of a helper tensor, and keeps the flag."""
+    x = torch.randn(4, 6, requires_grad=requires_grad)
+    y = roundtrip(x)
+    assert not y._is_view() and y.is_leaf and y.requires_grad == requires_grad
+    y.detach().mul_(2)  # writable in place
+
+
+def test_a_receive_buffer_sliced_from_larger_memory_is_not_read_past() -> None:
+    """A buffer that is a window of a larger array is taken as the window, not the array."""
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    meta, buffers, flags = dumps(x)
+    big = allocate_buffer(buffers[0].raw().nbytes + 64)
+    big[16 : 16 + 48] = buffers[0].raw()
+    assert torch.equal(loads(meta, [big[16 : 16 + 48]], flags), x)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_shape_larger_than_its_buffer_is_refused(view: bool) -> None:
+    """A message whose tensor shape asks for more bytes than its buffer holds (a corrupt or
+    hostile peer) fails to unpickle; nothing is read past the buffer."""
+    x = torch.randn(4, 4).t() if view else torch.randn(4, 4)
+    meta, buffers, flags = dumps(x)
+    short = allocate_buffer(buffers[0].raw().nbytes - 4)
+    with pytest.raises((RuntimeError, ValueError)):
+        loads(meta, [short], flags)
+
+
 # -- sparse, autograd flags, parameters --------------------------------------------------------
 
 

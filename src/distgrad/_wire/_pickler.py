@@ -90,16 +90,23 @@ def allocate_buffer(nbytes: int) -> memoryview:
     return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))  # type: ignore[arg-type]
 
 
+def _buffer_array(buf: Any) -> numpy.ndarray:
+    """The writable uint8 array of a received buffer (copying only foreign, read-only buffers)."""
+    owner = buf.obj if isinstance(buf, memoryview) else None
+    if isinstance(owner, numpy.ndarray) and owner.nbytes == buf.nbytes:
+        buf = owner
+    if isinstance(buf, numpy.ndarray) and buf.flags.writeable and buf.dtype == numpy.uint8:
+        return buf
+    raw = memoryview(buf).cast("B")
+    return numpy.frombuffer(bytearray(raw), dtype=numpy.uint8)
+
+
 def _buffer_tensor(buf: Any) -> torch.Tensor:
     """The uint8 tensor over a received buffer (copying only foreign, read-only buffers)."""
-    if isinstance(buf, memoryview) and isinstance(buf.obj, numpy.ndarray):
-        buf = buf.obj
-    if isinstance(buf, numpy.ndarray) and buf.flags.writeable and buf.dtype == numpy.uint8:
-        return torch.from_numpy(buf)
-    raw = memoryview(buf).cast("B")
-    if raw.nbytes == 0:
+    array = _buffer_array(buf)
+    if array.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return torch.from_numpy(array)
 
 
 def _rebuild_tensor(
@@ -114,6 +121,28 @@ def _rebuild_tensor(
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
+
+
+def _rebuild_array(buf: Any, code: int, size: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor of a numpy dtype (the common case): numpy views the received bytes
+    with the dtype and shape, and torch takes the array -- about 4 µs, against 11 µs for
+    :func:`_rebuild_tensor`'s ``set_``."""
+    return torch.from_numpy(_buffer_array(buf).view(_NUMPY_OF_CODE[code]).reshape(size))
+
+
+def _rebuild_array_grad(buf: Any, code: int, size: tuple[int, ...]) -> torch.Tensor:
+    """:func:`_rebuild_array` for a tensor that requires grad."""
+    return _rebuild_array(buf, code, size).requires_grad_(True)
+
+
+def _rebuild_strided(
+    buf: Any, code: int, size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool
+) -> torch.Tensor:
+    """A transposed or expanded view of a numpy dtype, strides kept; about 8 µs, against
+    :func:`_rebuild_tensor`'s 11 (the tensor over the buffer takes its own view)."""
+    tensor = torch.from_numpy(_buffer_array(buf).view(_NUMPY_OF_CODE[code]))
+    tensor.set_(tensor.untyped_storage(), 0, size, stride)
+    return tensor.requires_grad_(True) if requires_grad else tensor
 
 
 def _rebuild_sparse_coo(
@@ -149,40 +178,41 @@ def _reduce_future(_future: Any) -> Any:
     raise DistgradError("Can not pickle torch.futures.Future")
 
 
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-    }
+_NUMPY_DTYPES = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
 )  # fmt: skip
+#: The fast path sends a small integer for the dtype, not the pickled ``torch.dtype`` (whose
+#: unpickling looks the name up in ``torch``: about 8 µs of a small message's two ends).
+_CODE_OF_DTYPE: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_NUMPY_DTYPES)}
+_NUMPY_OF_CODE: tuple[numpy.dtype[Any], ...] = tuple(
+    torch.empty(0, dtype=dtype).numpy().dtype for dtype in _NUMPY_DTYPES
+)
+_STRIDED = torch.strided
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
-    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views: materialise
-        tensor = tensor.resolve_conj().resolve_neg()
     # Fast path (most messages): a dense contiguous CPU tensor that numpy can view directly.
+    code = _CODE_OF_DTYPE.get(tensor.dtype)
     if (
-        tensor.dtype in _NUMPY_DTYPES
-        and tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and not tensor.is_nested
+        code is not None
+        and tensor.layout is _STRIDED
+        and tensor.is_cpu
+        and not (tensor.is_nested or tensor.is_conj() or tensor.is_neg())
         and tensor.is_contiguous()
     ):
+        requires_grad = tensor.requires_grad
         try:
-            array = tensor.detach().numpy()
+            array = (tensor.detach() if requires_grad else tensor).numpy()
         except (RuntimeError, TypeError):  # anything numpy can't view takes the general path
             pass
         else:
             return (
-                _rebuild_tensor,
-                (
-                    pickle.PickleBuffer(array),  # type: ignore[arg-type]
-                    tensor.dtype,
-                    tuple(tensor.shape),
-                    tensor.stride(),
-                    tensor.requires_grad,
-                ),
+                _rebuild_array_grad if requires_grad else _rebuild_array,
+                (pickle.PickleBuffer(array), code, tuple(tensor.shape)),  # type: ignore[arg-type]
             )
+    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views: materialise
+        tensor = tensor.resolve_conj().resolve_neg()
     requires_grad = tensor.requires_grad
     if tensor.device.type != "cpu":
         device_check: DeviceCheck | None = getattr(_policy, "device_check", None)
@@ -205,9 +235,23 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
     tensor = tensor.detach()
     numel = tensor.numel()
-    if not tensor.is_contiguous() and _span(tensor) > 2 * numel:
-        tensor = tensor.contiguous()
     span = numel if tensor.is_contiguous() else _span(tensor)
+    if span > 2 * numel:
+        tensor = tensor.contiguous()
+        span = numel
+    code = _CODE_OF_DTYPE.get(tensor.dtype)
+    if code is not None and numel > 0:  # a view numpy can take: the span, as elements
+        flat = tensor.as_strided((span,), (1,)).numpy()
+        return (
+            _rebuild_strided,
+            (
+                pickle.PickleBuffer(flat),  # type: ignore[arg-type]
+                code,
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                requires_grad,
+            ),
+        )
     view = _storage_bytes(tensor, span * tensor.element_size())
     return (
         _rebuild_tensor,
