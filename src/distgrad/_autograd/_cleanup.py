@@ -21,10 +21,12 @@ _log = logging.getLogger("distgrad.autograd")
 _CLEANUP_ATTEMPTS = 3
 
 
-def _cleanup_message(context_id: int, notified: frozenset[int] = frozenset()) -> None:
+def _cleanup_message(context_id: int, *notified: int) -> None:
+    """Release ``context_id`` here; ``notified``: the workers already told. (Flat integer
+    arguments: the message then takes the plain-pickle path.)"""
     ctx = CONTAINER.release_context_if_present(context_id)
     if ctx is not None:
-        after_release(ctx, notified)
+        after_release(ctx, frozenset(notified))
 
 
 def after_release(ctx: DistAutogradContext, notified: frozenset[int] = frozenset()) -> None:
@@ -61,7 +63,7 @@ def _send_cleanup(
         return
     for attempt in range(attempts):
         try:
-            agent.notify(worker, _cleanup_message, (context_id, told))
+            agent.notify(worker, _cleanup_message, (context_id, *told))
             return
         except RpcShutdownError:
             return
@@ -74,7 +76,7 @@ def _send_cleanup(
 def _send_cleanup_profiled(
     agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int
 ) -> None:
-    future = agent.send_with_retries(worker, _cleanup_message, (context_id, told), attempts)
+    future = agent.send_with_retries(worker, _cleanup_message, (context_id, *told), attempts)
 
     def done(result: torch.futures.Future[Any]) -> None:
         try:

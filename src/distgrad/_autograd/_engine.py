@@ -222,9 +222,13 @@ class Pass:
         # so a recv function they finish sends its gradients and "final" in one message.
         for source in finishing:
             source.resolved = True
-        for leaf, grad in zip(leaf_list, captured_all, strict=False):
-            if grad is not None:
-                self.ctx.accumulate_grad(leaf, grad)
+        pairs = [
+            (leaf, grad)
+            for leaf, grad in zip(leaf_list, captured_all, strict=False)
+            if grad is not None
+        ]
+        if pairs:
+            self.ctx.accumulate_grads(pairs)
         position = len(leaf_list)
         for msg_id in recv_list:
             state = self.recvs[msg_id]
