@@ -66,13 +66,16 @@ def edge_roots() -> bool:
     """True if torch's engine starts from ``GradientEdge`` roots (torch 2.4 and later): a
     gradient message then runs the engine from the send function's next edges, and the send
     function itself -- a Python node, about 12 µs -- never runs."""
-    leaf = torch.zeros(1, requires_grad=True)
-    node = (leaf * 1).grad_fn
-    assert node is not None
-    try:
-        (grad,) = run_engine([GradientEdge(node, 0)], [torch.ones(1)], [leaf], False)
-    except (TypeError, RuntimeError):
-        return False
+    # (first called when a send function is recorded: maybe inside no_grad or inference mode)
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros(1, requires_grad=True)
+        node = (leaf * 1).grad_fn
+        if node is None:
+            return False
+        try:
+            (grad,) = run_engine([GradientEdge(node, 0)], [torch.ones(1)], [leaf], False)
+        except (TypeError, RuntimeError):
+            return False
     return grad is not None and bool(grad.eq(1).all())
 
 
