@@ -367,7 +367,7 @@ class Pass:
             if grads is not None:
                 source.processed += 1
                 last = source.final_seen and source.processed == source.expected
-                items.append((msg_id, record.roots, grads, last))
+                items.append((msg_id, record.get_roots(), grads, last))
             touched.append(msg_id)
         if items:
             self.run(items)

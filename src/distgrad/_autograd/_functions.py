@@ -175,14 +175,19 @@ class SendRecord:
     node: Any
     outputs: tuple[torch.Tensor, ...]
     reach: Reach | None = None
-    roots: tuple[torch.Tensor | GradientEdge, ...] = ()
+    roots: tuple[torch.Tensor | GradientEdge, ...] | None = None
 
-    def __post_init__(self) -> None:
-        # where a gradient message starts the engine: below the send function, where torch can
-        if edge_roots():
-            self.roots = tuple(GradientEdge(fn, nr) for fn, nr in self.node.next_functions)
-        else:
-            self.roots = self.outputs
+    def get_roots(self) -> tuple[torch.Tensor | GradientEdge, ...]:
+        """Where a gradient message starts the engine: below the send function where torch
+        can (computed on the first gradient message, not on every forward RPC)."""
+        roots = self.roots
+        if roots is None:
+            if edge_roots():
+                roots = tuple(GradientEdge(fn, nr) for fn, nr in self.node.next_functions)
+            else:
+                roots = self.outputs
+            self.roots = roots
+        return roots
 
     def get_reach(self) -> Reach:
         reach = self.reach

@@ -239,8 +239,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if span > 2 * numel:
         tensor = tensor.contiguous()
         span = numel
-    code = _CODE_OF_DTYPE.get(tensor.dtype)
-    if code is not None and numel > 0:  # a view numpy can take: the span, as elements
+    if code is not None and numel > 0:  # numpy takes the view: its span, as elements
         flat = tensor.as_strided((span,), (1,)).numpy()
         return (
             _rebuild_strided,
