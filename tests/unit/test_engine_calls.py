@@ -68,3 +68,33 @@ def test_the_engine_still_refuses_a_gradient_of_the_wrong_shape() -> None:
     bad = [torch.randn(3, 3), torch.randn(3, 4), torch.randn(3, 4)]
     with pytest.raises(RuntimeError, match="invalid gradient at index 0"):
         run_engine(send.get_roots(), bad, [w, *recv.edges], True)
+
+
+def test_received_tensors_may_be_modified_in_place_and_still_differentiate() -> None:
+    """A recv function's outputs are new tensors on the received memory, not views: the user
+    may change them in place (as with any tensor that came back from a call), and the gradient
+    through the in-place op reaches the recv function's edge."""
+    raw = torch.randn(3, 4)
+    received = raw.clone().requires_grad_()
+    recv, (r,) = attach_recv(1, 0, [received])
+    assert r.grad_fn is recv.node and not r._is_view()
+    assert r.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+    r.mul_(3)  # a view returned by an autograd.Function would raise here
+    assert torch.equal(received.detach(), raw * 3)  # same memory
+    w = torch.randn(3, 4, requires_grad=True)
+    loss = (r * w).sum()
+    (captured,) = run_engine([loss], [torch.ones(())], recv.edges, False)
+    assert captured is not None
+    torch.testing.assert_close(captured, w.detach() * 3)
+
+
+def test_nodes_under_a_functorch_transform_fail_as_torch_says() -> None:
+    """The direct apply is only taken with no functorch transform active; inside one, torch's
+    own Function.apply runs and explains why it cannot (no setup_context)."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        attach_send(1, 0, [x])
+        return x.sum()
+
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(f)(torch.randn(3))
