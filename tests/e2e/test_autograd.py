@@ -392,6 +392,35 @@ def test_contexts_released_everywhere_and_memory_flat() -> None:
     assert result["rss_growth_kib"] < 20 * 1024, result
 
 
+def quiet_cleanup_program(rank: int, world_size: int) -> float:
+    """worker0 runs one step and then sends worker1 nothing; worker1 watches its own count."""
+    if rank == 0:
+        x = torch.randn(4, requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", my_add, (x, x))
+            dist_autograd.backward(cid, [y.sum()])
+        time.sleep(3.0)  # no traffic to worker1 meanwhile
+        return 0.0
+    deadline = time.monotonic() + 20
+    while context_count() == 0:  # the step has not reached this worker yet
+        assert time.monotonic() < deadline, "the step never came"
+        time.sleep(0.005)
+    start = time.monotonic()
+    while context_count() != 0:
+        assert time.monotonic() < start + 2.5, "the context was never released here"
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_cleanup_that_waits_for_traffic_goes_out_with_the_heartbeat() -> None:
+    """Leaving a context tells its peers with this worker's next message to them (no write of
+    its own); when none comes, the heartbeat tick sends it: released within about one
+    heartbeat interval."""
+    options = {"heartbeat_interval": 0.25, "peer_timeout": 10.0}
+    results = run_cluster(quiet_cleanup_program, 2, timeout=60, options=options)
+    assert results[1] < 2.5
+
+
 def introspection_program(rank: int, world_size: int) -> str:
     if rank != 0:
         return dist_autograd._get_debug_info()["num_autograd_contexts"]

@@ -36,8 +36,9 @@ def after_release(ctx: DistAutogradContext, notified: frozenset[int] = frozenset
     carries the workers already told, so a context two workers share costs one message, not
     one each way."""
     with ctx.lock:
-        if ctx.pass_state is not None:
-            ctx.pass_state.fail(
+        running = ctx.pass_state
+        if running is not None:
+            running.fail(
                 BackwardError(f"Could not find autograd context with id: {ctx.context_id}")
             )
     agent = current_agent()
@@ -47,20 +48,33 @@ def after_release(ctx: DistAutogradContext, notified: frozenset[int] = frozenset
     targets = sorted(w for w in ctx.known_worker_ids if w != me and w not in notified)
     told = notified | set(targets) | {me}
     for worker in targets:
-        _send_cleanup(agent, worker, ctx.context_id, told, _CLEANUP_ATTEMPTS)
+        _send_cleanup(agent, worker, ctx.context_id, told, _CLEANUP_ATTEMPTS, running is None)
 
 
 def _send_cleanup(
-    agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int
+    agent: Any, worker: int, context_id: int, told: frozenset[int], attempts: int, later: bool
 ) -> None:
     """Best effort, retried, one-way: releasing a context needs no answer (an answer would
     cost the peer a response and this worker a wake-up per context, on the next step's time).
-    A send that fails on a broken connection is retried (the next attempt reconnects); a dead
-    peer or a stopped agent ends it. Under torch's profiler it is a request, so that it shows
-    in the trace like the other internal messages."""
+
+    With ``later`` (no backward pass was running: nobody there is working on the context), the
+    message goes out with this worker's next message to that peer -- the next step's first
+    call, typically -- or with the next heartbeat tick: the end of a step then costs no write,
+    and the peer no wake-up. Otherwise, or if that fails, it is sent now: a send that fails on
+    a broken connection is retried (the next attempt reconnects); a dead peer or a stopped
+    agent ends it. Under torch's profiler it is a request, so that it shows in the trace like
+    the other internal messages."""
     if _profiling.wants(_cleanup_message):
         _send_cleanup_profiled(agent, worker, context_id, told, attempts)
         return
+    if later:
+        try:
+            agent.notify(worker, _cleanup_message, (context_id, *told), later=True)
+            return
+        except RpcShutdownError:
+            return
+        except DistgradError:
+            pass  # (a broken connection: sent now, on a new one)
     for attempt in range(attempts):
         try:
             agent.notify(worker, _cleanup_message, (context_id, *told))

@@ -57,7 +57,7 @@ from .._transport._transport import (
     TransportConfig,
     TransportStatistics,
 )
-from .._wire._frames import Frame, Kind
+from .._wire._frames import Frame, Kind, encode_frame
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
@@ -329,15 +329,26 @@ class RpcAgent(FrameHandler):
         Raises (and does not call ``on_done``) if the request cannot be sent at all."""
         self._send(self.get_worker_info(dst), (func, args, {}), 0, None, True, False, on_done)
 
-    def notify(self, dst: int, func: Any, args: tuple[Any, ...]) -> None:
+    def notify(self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False) -> None:
         """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
         nothing (an error there is logged there). The layer above learns of a lost peer through
-        the agent's failure detection, not through this call. Raises if it cannot be sent."""
+        the agent's failure detection, not through this call. Raises if it cannot be sent.
+
+        With ``later``, the message goes out with this worker's next write to ``dst`` (after
+        that write's frame), or at the latest with the next heartbeat tick
+        (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
+        no wake-up of the peer of their own. Such a message is lost if the connection fails
+        before it went out."""
         if self._stopped:
             raise self._stopped_error("NOTIFY")
         conn = self.transport.connection(dst)
         encoded = encode((func, args))
         self._check_size(encoded, dst)
+        if later:
+            conn.send_later(
+                encode_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
+            )
+            return
         conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
 
     def peer_is_dead(self, dst: int) -> bool:

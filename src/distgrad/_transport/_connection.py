@@ -86,6 +86,7 @@ class Connection:
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._lock = threading.Lock()
         self._queue: deque[memoryview] = deque()
+        self._later: list[Piece] = []  # frames that go with the next write (send_later)
         self._writer_armed = False
         self._shutdown_after_flush = False
         # direct memory reads (same host): the peer's pid, our probe, what the peer accepted
@@ -129,12 +130,14 @@ class Connection:
             self.closed = True
             self.close_error = error
             self._queue.clear()
+            self._later.clear()
             self._pinned.clear()
         self._io.call_soon(self._close_in_loop, error)
 
     def close_when_flushed(self) -> None:
         """Say goodbye, write what is queued, then half-close; the peer's EOF finishes it."""
         try:
+            self.flush_later()  # before the goodbye, after which the peer takes no work
             self.send(encode_frame(Kind.GOODBYE, 0))
         except PeerFailureError:
             return
@@ -200,11 +203,33 @@ class Connection:
                 self._pinned.pop(transfer, None)
             raise
 
+    def send_later(self, pieces: Sequence[Piece]) -> None:
+        """Queue one frame to go out with the next write on this connection, right after that
+        write's own frame, or at the latest with the transport's next heartbeat tick
+        (:meth:`flush_later`): for messages nothing waits for, which then cost neither a write
+        of their own nor a wake-up of the peer. Dropped if the connection closes first (between
+        two workers, only when one of them is gone: the other side of a connection closed
+        for a protocol error takes it for the peer's death)."""
+        with self._lock:
+            if self.closed:
+                raise self.broken_error()
+            self._later.extend(pieces)
+
+    def flush_later(self) -> None:
+        """Write the frames queued by :meth:`send_later` now, if any."""
+        if self._later:
+            self.send(())
+
     def send(self, pieces: Sequence[Piece]) -> None:
         """Write one frame's pieces, in order with every other frame on this connection."""
         with self._lock:
             if self.closed:
                 raise self.broken_error()
+            if self._later:
+                pieces = [*pieces, *self._later]
+                self._later.clear()
+            elif not pieces:  # flush_later raced with another write
+                return
             if self._queue:
                 self._queue.extend(_advance(pieces, 0))
                 return
