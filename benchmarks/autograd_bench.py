@@ -12,7 +12,8 @@ One command runs, for each implementation in its own 2-process group (interleave
   send functions that share a subgraph.
 
 The table's figures are medians over all samples of all rounds (torch's and distgrad's groups
-run back to back in each round); a second table gives each round's ratio and their median,
+run back to back in each round, in ABBA order: torch first in odd rounds, distgrad first in
+even ones); a second table gives each round's ratio and their median,
 which a host whose slow phases outlast one group's run moves less.
 
 Usage::
@@ -143,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     # per round: the median of each group, so drift between rounds cancels in each ratio
     rounds: dict[str, dict[str, list[float]]] = {impl: {} for impl in IMPLEMENTATIONS}
     for round_no in range(1 if args.quick else args.rounds):
-        for impl in IMPLEMENTATIONS:
+        # ABBA order (torch, distgrad, distgrad, torch, ...), as in rpc_bench.py: interleaved,
+        # and linear drift over the run cancels out as well as it can.
+        order = IMPLEMENTATIONS if round_no % 2 == 0 else IMPLEMENTATIONS[::-1]
+        for impl in order:
             result = run_group(impl, caller, cfg, timeout=600)
             if not result.ok:
                 print(f"round {round_no}: {impl} failed in {result.phase}: {result.error}")
