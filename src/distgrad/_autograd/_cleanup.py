@@ -11,6 +11,7 @@ import torch
 from .._errors import DistgradError, RpcShutdownError
 from .._rpc import _profiling
 from .._rpc._agent import current_agent
+from .._rpc._functions import after_current_task
 from ._context import CONTAINER, DistAutogradContext
 from ._engine import BackwardError
 
@@ -21,6 +22,7 @@ _log = logging.getLogger("distgrad.autograd")
 _CLEANUP_ATTEMPTS = 3
 
 
+@after_current_task
 def _cleanup_message(context_id: int, *notified: int) -> None:
     """Release ``context_id`` here; ``notified``: the workers already told. (Flat integer
     arguments: the message then takes the plain-pickle path.)"""

@@ -556,7 +556,11 @@ class RpcAgent(FrameHandler):
             return
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
-        elif not self._stopped:
+        elif self._stopped:
+            return
+        elif getattr(func, "_distgrad_after_current", False):
+            self._workers.submit_after_current(self._run_notification, func, args)
+        else:
             self._workers.submit(self._run_notification, func, args)
 
     @staticmethod

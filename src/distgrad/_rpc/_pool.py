@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,8 @@ class ThreadPool:
         self._idle = 0
         self._backlog = 0
         self._blocked = 0
+        #: tasks for the next thread that finishes its current one (submit_after_current)
+        self._after: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._stopped = False
         self._mine = _Membership()
 
@@ -52,11 +55,33 @@ class ThreadPool:
         if self._stopped:
             raise RuntimeError(f"thread pool {self._name} is stopped")
         with self._lock:
-            if self._idle > 0:
-                self._idle -= 1
-            elif not self._spawn():
-                self._backlog += 1
+            self._designate()
         self._queue.put((fn, args))
+
+    def submit_after_current(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a quick task that nothing waits for on the next pool thread to finish its
+        current task -- after it, on the same thread, so it neither wakes another thread nor
+        competes with that task for the GIL -- or at once (as :meth:`submit`) when no thread
+        is running a task. A thread that starts waiting for an RPC hands such tasks on."""
+        if self._stopped:
+            raise RuntimeError(f"thread pool {self._name} is stopped")
+        with self._lock:
+            if self._running() > 0:
+                self._after.append((fn, args))
+                return
+            self._designate()
+        self._queue.put((fn, args))
+
+    def _running(self) -> int:
+        """Threads running (or designated for) a task and not blocked in an RPC (lock held)."""
+        return len(self._threads) - self._idle - self._blocked
+
+    def _designate(self) -> None:
+        """Decide who takes one task about to be queued (lock held)."""
+        if self._idle > 0:
+            self._idle -= 1
+        elif not self._spawn():
+            self._backlog += 1
 
     def _spawn(self) -> bool:
         """Start a thread if there is room (lock held); it takes one queued task."""
@@ -79,6 +104,14 @@ class ThreadPool:
             self._blocked += 1
             while self._backlog and self._spawn():
                 self._backlog -= 1
+            handed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+            if self._after and self._running() == 0:  # no thread would finish a task first
+                handed = list(self._after)
+                self._after.clear()
+                for _ in handed:
+                    self._designate()
+        for task in handed:
+            self._queue.put(task)
 
     def exit_blocking(self) -> None:
         with self._lock:
@@ -98,11 +131,21 @@ class ThreadPool:
                 _log.exception("unhandled error in %s", self._name)
             finally:
                 del item, fn, args
-            with self._lock:
-                if self._backlog:
-                    self._backlog -= 1
-                else:
-                    self._idle += 1
+            while True:
+                with self._lock:
+                    after = self._after.popleft() if self._after else None
+                    if after is None:
+                        if self._backlog:
+                            self._backlog -= 1
+                        else:
+                            self._idle += 1
+                        break
+                try:  # a task left for after this one (submit_after_current)
+                    after[0](*after[1])
+                except BaseException:
+                    _log.exception("unhandled error in %s", self._name)
+                finally:
+                    del after
 
     def stop(self, timeout: float = 2.0) -> None:
         """Let queued work finish, then end the threads (waits at most ``timeout`` in all)."""
