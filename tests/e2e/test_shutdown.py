@@ -3,7 +3,11 @@ timed shutdowns return promptly and always leave RPC uninitialized."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
-from tests._harness import run_workers
+from tests._harness import free_port, run_workers
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -193,3 +197,40 @@ def test_request_to_a_worker_that_stopped_serving_fails_at_once(tmp_path: Path) 
     )
     assert results[1] == "served"
     assert results[0]["took"] < 5.0, results[0]
+
+
+_EXIT_WITHOUT_SHUTDOWN = """
+import atexit, os, threading
+import distgrad.rpc as rpc
+
+def check():  # registered before init_rpc: runs after distgrad's own exit hook
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("distgrad"))
+    print("left running at exit:", alive, flush=True)
+
+atexit.register(check)
+opts = rpc.TensorPipeRpcBackendOptions(
+    init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", heartbeat_interval=0.05
+)
+rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=opts)
+raise ValueError("the program gives up without shutdown()")
+"""
+
+
+def test_a_program_that_ends_without_shutdown_stops_its_agent_first(tmp_path: Path) -> None:
+    """Without ``shutdown()``, the agent is stopped at exit while the interpreter is whole: its
+    I/O thread used to outlive it, and a heartbeat timer firing during finalization killed the
+    process with SIGSEGV now and then instead of its own exit status."""
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent(_EXIT_WITHOUT_SHUTDOWN))
+    env = {**os.environ, "PORT": str(free_port())}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "the program gives up without shutdown()" in done.stderr
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "left running at exit: []" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import pickle
 import threading
 import time
@@ -96,6 +97,7 @@ class RpcAgent(FrameHandler):
         options: TensorPipeRpcBackendOptions,
     ) -> None:
         self.worker_info = WorkerInfo(name, rank)
+        self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
         self.options = options
         self.rpc_timeout = options.rpc_timeout

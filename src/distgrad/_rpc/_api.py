@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import itertools
+import logging
+import os
 import sys
 import threading
 import time
@@ -144,6 +147,7 @@ def init_rpc(
             )
             agent.set_peers(workers, addresses)
             set_current_agent(agent)
+            _register_exit_hook()
             _rendezvous.barrier(store, "distgrad/ready", world_size)
         except BaseException:
             set_current_agent(None)
@@ -152,6 +156,33 @@ def init_rpc(
             # still be reading from it (they would see "Broken pipe" or hang otherwise).
             _failed_stores.append(store)
             raise
+
+
+_exit_hook_registered = False
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_stop_at_exit)
+        _exit_hook_registered = True
+
+
+def _stop_at_exit() -> None:
+    """Stop an agent that the program left running (it ended, or raised, without
+    ``shutdown()``), while the interpreter is still whole: the agent's I/O thread must not
+    outlive it. An event of its loop firing during finalization (a heartbeat timer, a peer's
+    frame) would call into an interpreter that is gone, and the process would die of SIGSEGV
+    instead of exiting with the program's status. Not graceful: the peers see this worker
+    leave as they would see it die. (atexit runs after the non-daemon threads have ended.)"""
+    agent = current_agent()
+    if agent is None or agent.pid != os.getpid():  # shut down already, or a forked child
+        return
+    set_current_agent(None)
+    try:
+        agent.stop(graceful=False)
+    except Exception as exc:  # exiting anyway: say why the stop failed, then go on
+        logging.getLogger("distgrad.rpc").warning("stopping RPC at exit failed: %r", exc)
 
 
 def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
