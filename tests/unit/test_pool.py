@@ -63,49 +63,36 @@ def test_it_runs_after_the_running_task_on_the_same_thread(pool: ThreadPool) -> 
     assert _thread_count(pool) == 1
 
 
-def test_handed_on_when_the_running_thread_is_already_blocked(pool: ThreadPool) -> None:
-    """A thread waiting for an RPC may wait long: nothing waits for it."""
-    blocked = threading.Event()
-    release = threading.Event()
-    ran = threading.Event()
+def _nested_call(
+    pool: ThreadPool, go: threading.Event, blocked: threading.Event, release: threading.Event
+) -> None:
+    """A pool task that, once ``go`` is set, waits in an "RPC" (marked as blocking) until
+    ``release``."""
+    assert go.wait(5)
+    pool.enter_blocking()
+    blocked.set()
+    try:
+        assert release.wait(10)
+    finally:
+        pool.exit_blocking()
 
-    def nested_call() -> None:
-        pool.enter_blocking()
-        blocked.set()
-        try:
-            assert release.wait(10)
-        finally:
-            pool.exit_blocking()
 
-    pool.submit(nested_call)
-    assert blocked.wait(5)
-    pool.submit_after_current(ran.set)  # no thread is running a task: at once
+@pytest.mark.parametrize("blocks_first", [True, False])
+def test_handed_on_when_the_running_thread_blocks(pool: ThreadPool, blocks_first: bool) -> None:
+    """A thread waiting for an RPC may wait long: what waited for its task is queued for
+    another thread, whether it blocked before (then at once) or after the submit."""
+    go, blocked, release, ran = (threading.Event() for _ in range(4))
+    if blocks_first:
+        go.set()
+    pool.submit(_nested_call, pool, go, blocked, release)
+    if blocks_first:
+        assert blocked.wait(5)
+    pool.submit_after_current(ran.set)
+    if not blocks_first:
+        assert not ran.wait(0.2)  # waits for the running task...
+        go.set()  # ...which now blocks in an RPC
     assert ran.wait(5)
-    release.set()
-
-
-def test_handed_on_when_the_running_thread_blocks_afterwards(pool: ThreadPool) -> None:
-    go_block = threading.Event()
-    release = threading.Event()
-    started = threading.Event()
-    ran = threading.Event()
-
-    def task() -> None:
-        started.set()
-        assert go_block.wait(5)
-        pool.enter_blocking()
-        try:
-            assert release.wait(10)
-        finally:
-            pool.exit_blocking()
-
-    pool.submit(task)
-    assert started.wait(5)
-    pool.submit_after_current(ran.set)  # waits for the task...
-    assert not ran.wait(0.2)
-    go_block.set()  # ...which now blocks in an RPC: the waiting task is queued for another
-    assert ran.wait(5)
-    assert not release.is_set()
+    assert not release.is_set()  # the blocked task is still waiting
     release.set()
 
 

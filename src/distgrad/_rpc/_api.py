@@ -178,11 +178,10 @@ def _stop_at_exit() -> None:
     agent = current_agent()
     if agent is None or agent.pid != os.getpid():  # shut down already, or a forked child
         return
-    set_current_agent(None)
     try:
-        agent.stop(graceful=False)
-    except Exception as exc:  # exiting anyway: say why the stop failed, then go on
-        logging.getLogger("distgrad.rpc").warning("stopping RPC at exit failed: %r", exc)
+        shutdown(graceful=False)
+    except Exception as exc:  # exiting anyway (e.g. an RRef leak reported): say so, go on
+        logging.getLogger("distgrad.rpc").warning("stopping RPC at exit: %r", exc)
 
 
 def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
