@@ -134,18 +134,42 @@ class DistAutogradContext:
                 grad = given.detach() if given.requires_grad else given
                 entry = grads.get(id(variable))
                 if entry is None:
-                    if grad.layout != torch.strided:
-                        total = grad.clone()  # sparse: owns its indices and values
-                    elif self._can_keep(variable, grad):
-                        total = grad
-                        self._kept_storages.add(grad.data_ptr())
-                    else:
-                        total = grad.clone(memory_format=torch.contiguous_format)
+                    total = self._first(variable, grad)
                 else:
                     old = entry[1]
                     # torch implements add(dense, sparse) but not add(sparse, dense).
                     total = grad + old if old.is_sparse and not grad.is_sparse else old + grad
                 grads[id(variable)] = (variable, total)
+
+    def grads_of(self, variables: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The gradients accumulated so far for ``variables``, by ``id`` (those that have one)."""
+        with self.lock:
+            grads = self._grads
+            keys = [id(variable) for variable in variables]
+            return {key: grads[key][1] for key in keys if key in grads}
+
+    def replace_grads(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Set (not add) the gradients of ``(variable, grad)`` pairs; None drops one. What an
+        ``AccumulateGrad`` hook left in ``.grad`` (DDP's average) replaces the context's value,
+        as torch's ``runGradCallbackForVariable`` does. Kept without a copy under the rules of
+        :meth:`accumulate_grad` (a view of a DDP bucket, say, is copied)."""
+        with self.lock:
+            grads = self._grads
+            for variable, given in pairs:
+                if given is None:
+                    grads.pop(id(variable), None)
+                    continue
+                grad = given.detach() if given.requires_grad else given
+                grads[id(variable)] = (variable, self._first(variable, grad))
+
+    def _first(self, variable: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A variable's first stored gradient: ``grad`` itself where it may be kept, else a copy."""
+        if grad.layout != torch.strided:
+            return grad.clone()  # sparse: owns its indices and values
+        if self._can_keep(variable, grad):
+            self._kept_storages.add(grad.data_ptr())
+            return grad
+        return grad.clone(memory_format=torch.contiguous_format)
 
     def _can_keep(self, variable: torch.Tensor, grad: torch.Tensor) -> bool:
         if not grad.is_contiguous() or grad.stride() != variable.stride():

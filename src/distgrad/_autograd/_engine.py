@@ -49,6 +49,14 @@ from .._rpc._agent import current_agent
 from .._rpc._functions import async_execution, on_io_thread
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import Reach, RecvRecord, SendRecord, reach_of, run_engine
+from ._hooks import (
+    GRAD_LOCK,
+    HookedLeaf,
+    borrowed_grads,
+    hooks_set_aside,
+    is_hooked,
+    run_accumulators,
+)
 
 __all__ = ["BackwardError", "backward", "install"]
 
@@ -83,6 +91,7 @@ class _Answer:
 
 class _Source:
     __slots__ = (
+        "accumulators",
         "expected",
         "final_seen",
         "key",
@@ -96,6 +105,7 @@ class _Source:
     def __init__(self, key: int) -> None:
         self.key = key
         self.leaves: dict[int, torch.Tensor] = {}
+        self.accumulators: dict[int, Any] = {}  # the leaves' AccumulateGrad nodes
         self.recvs: set[int] = set()
         self.shared = False
         self.resolved = False
@@ -140,6 +150,8 @@ class Pass:
         #: on the worker that called backward: gradient messages and answers for its thread
         self.driver: queue.SimpleQueue[Any] | None = None
         self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
+        #: leaves whose gradient meets hooks, by id: they are accumulated once per pass
+        self.hooked: dict[int, HookedLeaf] = {}
 
     # -- joining -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,6 +171,7 @@ class Pass:
         for key, reach in reaches.items():
             source = _Source(key)
             source.leaves = reach.leaves
+            source.accumulators = reach.accumulators
             source.recvs = {by_node[n] for n in reach.recv_nodes if n in by_node}
             ids = reach.nodes.keys()
             if not seen.isdisjoint(ids):  # shares nodes with a source before it: which ones
@@ -198,6 +211,7 @@ class Pass:
         outputs: list[Any] = []
         grad_outputs: list[torch.Tensor] = []
         leaves: dict[int, torch.Tensor] = {}
+        accumulators: dict[int, Any] = {}
         recv_ids: set[int] = set()
         retain = self.retain_graph
         finishing: list[_Source] = []
@@ -206,6 +220,7 @@ class Pass:
             outputs.extend(outs)
             grad_outputs.extend(grads)
             leaves.update(source.leaves)
+            accumulators.update(source.accumulators)
             recv_ids.update(source.recvs)
             retain = retain or source.shared or not last
             if last:
@@ -217,18 +232,30 @@ class Pass:
             inputs.extend(self.recvs[msg_id].record.edges)
         if not inputs:
             return
-        captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+        hooked = [leaf for leaf in leaf_list if is_hooked(leaf, accumulators[id(leaf)])]
+        if hooked:
+            with GRAD_LOCK, hooks_set_aside(hooked, "_backward_hooks"):
+                captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+        else:
+            captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+        hooked_ids = {id(leaf) for leaf in hooked}
+        pairs = []
+        for leaf, grad in zip(leaf_list, captured_all, strict=False):
+            if grad is None:
+                continue
+            if id(leaf) in hooked_ids:
+                pending = self.hooked.get(id(leaf))
+                if pending is None:
+                    pending = self.hooked[id(leaf)] = HookedLeaf(leaf, accumulators[id(leaf)])
+                pending.add(grad)
+            else:
+                pairs.append((leaf, grad))
+        if pairs:
+            self.ctx.accumulate_grads(pairs)
         # Sources whose last message this was are resolved *before* the recv gradients go out,
         # so a recv function they finish sends its gradients and "final" in one message.
         for source in finishing:
             source.resolved = True
-        pairs = [
-            (leaf, grad)
-            for leaf, grad in zip(leaf_list, captured_all, strict=False)
-            if grad is not None
-        ]
-        if pairs:
-            self.ctx.accumulate_grads(pairs)
         position = len(leaf_list)
         for msg_id in recv_list:
             state = self.recvs[msg_id]
@@ -236,6 +263,26 @@ class Pass:
             captured = list(captured_all[position : position + width])
             position += width
             self._send_grads(state, state.record.fill(captured))
+
+    def _flush_hooked(self) -> None:
+        """Run the hooks of hooked leaves that no unresolved source can reach any more, once,
+        on their whole gradient of this pass (``_hooks``)."""
+        ready = [
+            pending
+            for key, pending in self.hooked.items()
+            if pending.grad is not None
+            and all(s.resolved for s in self.sources.values() if key in s.leaves)
+        ]
+        if not ready:
+            return
+        ctx = self.ctx
+        # every hooked leaf of the pass is lent: a reducer's last hook may write any of them
+        lent = [pending.variable for pending in self.hooked.values()]
+        with GRAD_LOCK, CONTAINER.forced_current(ctx.context_id):
+            with borrowed_grads(lent, ctx.grads_of(lent)):
+                run_accumulators(ready)
+                results = [(variable, variable.grad) for variable in lent]
+            ctx.replace_grads(results)
 
     # -- messages --------------------------------------------------------------------------------
     def _send_grads(self, state: _RecvState, grads: list[torch.Tensor] | None) -> None:
@@ -267,7 +314,10 @@ class Pass:
         return all(self.sources[key].resolved for key in state.sources)
 
     def _flush_recvs(self) -> None:
-        """Send final markers for recv functions whose sources are all resolved."""
+        """Run the hooks of leaves that are complete; send final markers for recv functions
+        whose sources are all resolved."""
+        if self.hooked:
+            self._flush_hooked()
         for state in self.recvs.values():
             if not state.final and self._recv_ready(state):
                 self._send_grads(state, None)

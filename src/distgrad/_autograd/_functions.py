@@ -137,11 +137,13 @@ _apply_recv = _applier(RecvRpc)
 class Reach:
     """What a backward run from some nodes reaches in the local graph: every node (by id; the
     dict keeps the node objects, so the ids stay theirs), the leaves (``AccumulateGrad``
-    variables, by id) and the recv nodes (by id) where the run stops."""
+    variables, by id), their ``AccumulateGrad`` nodes (by the variable's id) and the recv
+    nodes (by id) where the run stops."""
 
     nodes: dict[int, Any]
     leaves: dict[int, torch.Tensor]
     recv_nodes: list[int]
+    accumulators: dict[int, Any] = field(default_factory=dict)
 
 
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
@@ -152,6 +154,7 @@ def reach_of(roots: list[Any]) -> Reach:
     recv_type = RecvRpc._backward_cls  # type: ignore[attr-defined]
     nodes: dict[int, Any] = {}
     leaves: dict[int, torch.Tensor] = {}
+    accumulators: dict[int, Any] = {}
     recv_nodes: list[int] = []
     stack = list(roots)
     while stack:
@@ -168,10 +171,11 @@ def reach_of(roots: list[Any]) -> Reach:
         elif kind is _ACCUMULATE_GRAD:
             variable = node.variable
             leaves[id(variable)] = variable
+            accumulators[id(variable)] = node
         else:
             for edge in node.next_functions:
                 stack.append(edge[0])
-    return Reach(nodes, leaves, recv_nodes)
+    return Reach(nodes, leaves, recv_nodes, accumulators)
 
 
 @dataclass(eq=False)

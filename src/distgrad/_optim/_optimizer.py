@@ -15,7 +15,6 @@ details).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from .._autograd._hooks import GRAD_LOCK
 
 __all__ = ["DistributedOptimizer"]
 
@@ -32,7 +32,8 @@ class _LocalOptimizer:
 
     # One lock for every local optimizer of the process: two optimizers may share tensors, and
     # ``.grad`` is set on every tensor of a context, not only on this optimizer's parameters.
-    global_lock = threading.Lock()
+    # The backward engine holds it too while it lends ``.grad`` to AccumulateGrad hooks.
+    global_lock = GRAD_LOCK
 
     def __init__(
         self,
