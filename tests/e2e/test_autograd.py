@@ -441,7 +441,8 @@ def introspection_program(rank: int, world_size: int) -> str:
         sends = list(ctx._send_functions().values())
         recvs = list(ctx._recv_functions().values())
         assert len(sends) == 1 and len(recvs) == 1
-        assert sends[0].name() == "SendRpcBackward" and recvs[0].name() == "RecvRpcBackward"
+        assert sends[0].name() == "torch::distributed::autograd::SendRpcBackward"
+        assert recvs[0].name() == "torch::distributed::autograd::RecvRpcBackward"
         assert [fn.variable for fn, _ in sends[0].next_functions] == [t1, t2]
         assert ctx._known_worker_ids() == {1}
         assert next(iter(ctx._recv_functions())) == 1 << 48  # worker1's counter answered

@@ -102,6 +102,15 @@ def _scenarios(rank: int, world_size: int, trace_path: str) -> dict[str, Any]:
         rpc.rpc_async("worker1", udf_with_block, (x,)).wait()
     out["legacy"] = _names(legacy.function_events)
 
+    # a distributed backward under the legacy profiler (SPEC 2.9)
+    with torch.autograd.profiler_legacy.profile() as legacy_backward, dist_autograd.context() as c:
+        t = torch.ones(2, requires_grad=True)
+        dist_autograd.backward(c, [rpc.rpc_sync("worker1", torch.add, (t, t)).sum()])
+    events = legacy_backward.function_events
+    total = {e.name: e.cpu_time_total for e in events if e.node_id in (-1, 0)}
+    out["backward_events"] = [(e.name, e.node_id) for e in events if "Backward" in e.name]
+    out["backward_times"] = total
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as kineto:
         rpc.rpc_sync("worker1", torch.add, (x, 1))
         rpc.rpc_async("worker2", udf_with_block, (x,)).wait()
@@ -136,6 +145,24 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 K_ADD = "rpc_sync#aten::add(worker0 -> worker1)"
+
+
+def test_distributed_backward_events_as_torch(results: dict[str, Any]) -> None:
+    """A distributed backward under the legacy profiler records torch's names: the
+    ``torch::distributed::autograd::backward`` range and one send and one recv function event
+    on the caller, each shorter than the range; the callee's send/recv events come back as
+    remote events of the gradient message."""
+    events = results["backward_events"]
+    local = [name for name, node in events if node in (-1, 0) and "#" not in name]
+    send = "torch::distributed::autograd::SendRpcBackward"
+    recv = "torch::distributed::autograd::RecvRpcBackward"
+    assert local.count(send) == 1 and local.count(recv) == 1
+    times = results["backward_times"]
+    assert times[send] < times["torch::distributed::autograd::backward"]
+    assert times[recv] < times["torch::distributed::autograd::backward"]
+    remote = [name for name, node in events if node == 1]
+    assert any(name.endswith("#remote_op: " + send) for name in remote)
+    assert any(name.endswith("#remote_op: " + recv) for name in remote)
 
 
 def test_rpc_sync_builtin_event_names(results: dict[str, Any]) -> None:

@@ -48,7 +48,15 @@ from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from .._rpc._functions import async_execution, on_io_thread
 from ._context import CONTAINER, DistAutogradContext
-from ._functions import Reach, RecvRecord, SendRecord, reach_of, run_engine
+from ._functions import (
+    RECV_NAME,
+    SEND_NAME,
+    Reach,
+    RecvRecord,
+    SendRecord,
+    reach_of,
+    run_engine,
+)
 from ._hooks import (
     GRAD_LOCK,
     HookedLeaf,
@@ -63,6 +71,8 @@ __all__ = ["BackwardError", "backward", "install"]
 _log = logging.getLogger("distgrad.autograd")
 
 ROOT = -1  # the source key of the roots; send functions use their message id
+BACKWARD_RANGE = "torch::distributed::autograd::backward"  # torch's profiler range
+_profiler_enabled: Any = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _pass_ids = itertools.count()
 _ALL_PASSES: set[Pass] = set()
 _PASSES_LOCK = threading.Lock()
@@ -294,6 +304,15 @@ class Pass:
             state.final = True
         elif grads is None:
             return
+        if _profiler_enabled():  # the recv function's event: torch's node sends its gradients
+            with torch.autograd.profiler.record_function(RECV_NAME):
+                self._send_grad_message(state, grads, final)
+        else:
+            self._send_grad_message(state, grads, final)
+
+    def _send_grad_message(
+        self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool
+    ) -> None:
         record = state.record
         self._message(
             record.src,
@@ -417,6 +436,9 @@ class Pass:
             if grads is not None:
                 source.processed += 1
                 last = source.final_seen and source.processed == source.expected
+                if _profiler_enabled():  # the send function's event, as torch's node has
+                    with torch.autograd.profiler.record_function(SEND_NAME):
+                        pass
                 items.append((msg_id, record.get_roots(), grads, last))
             touched.append(msg_id)
         if items:
@@ -480,7 +502,16 @@ def _validate_roots(roots: list[torch.Tensor]) -> None:
 
 def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the backward pass of ``roots`` across every worker of the context; block until the
-    whole pass finished. Gradients accumulate in the context (``get_gradients``)."""
+    whole pass finished. Gradients accumulate in the context (``get_gradients``). Under a
+    profiler, the pass is the range ``torch::distributed::autograd::backward`` as in torch."""
+    if _profiler_enabled():
+        with torch.autograd.profiler.record_function(BACKWARD_RANGE):
+            _backward(context_id, roots, retain_graph)
+    else:
+        _backward(context_id, roots, retain_graph)
+
+
+def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
     if not isinstance(context_id, int) or not isinstance(roots, (list, tuple)):
         raise TypeError(
             "backward(): incompatible function arguments. The following argument types are "

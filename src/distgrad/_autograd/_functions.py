@@ -101,7 +101,8 @@ def _applier(function: type[torch.autograd.Function]) -> Any:
 
 
 class SendRpc(torch.autograd.Function):
-    """Forward: identity over the message's grad-requiring tensors. Node: ``SendRpcBackward``."""
+    """Forward: identity over the message's grad-requiring tensors. Node:
+    ``torch::distributed::autograd::SendRpcBackward`` (torch's name)."""
 
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -113,7 +114,8 @@ class SendRpc(torch.autograd.Function):
 
 
 class RecvRpc(torch.autograd.Function):
-    """Forward: identity over received tensors. Node: ``RecvRpcBackward``."""
+    """Forward: identity over received tensors. Node:
+    ``torch::distributed::autograd::RecvRpcBackward`` (torch's name)."""
 
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -128,6 +130,12 @@ class RecvRpc(torch.autograd.Function):
             "results must be differentiated with distgrad.autograd.backward(context_id, roots)."
         )
 
+
+# torch's C++ node names: what ``grad_fn.name()`` returns (tools and tests compare them)
+SEND_NAME = "torch::distributed::autograd::SendRpcBackward"
+RECV_NAME = "torch::distributed::autograd::RecvRpcBackward"
+SendRpc._backward_cls.__name__ = SEND_NAME  # type: ignore[attr-defined]
+RecvRpc._backward_cls.__name__ = RECV_NAME  # type: ignore[attr-defined]
 
 _apply_send = _applier(SendRpc)
 _apply_recv = _applier(RecvRpc)
