@@ -127,3 +127,13 @@ def test_ddp_in_a_context_averages_gradients_as_torch_does() -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(served, expected_server, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_rpc_example() -> None:
+    """``examples/ddp_rpc.py`` (torch's RPC + DDP tutorial shape) trains with its gradient
+    check passing and the DDP replicas equal at the end."""
+    from tests.e2e.test_examples import EXAMPLES, assert_gradient_check_passed, run_example
+
+    output = run_example(str(EXAMPLES / "ddp_rpc.py"), "--trainers", "2", "--steps", "4")
+    assert_gradient_check_passed(output)
+    assert "DDP replicas after training: max spread 0.00e+00" in output
