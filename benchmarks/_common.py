@@ -19,6 +19,7 @@ module, and they set up their environment before torch is loaded.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -27,6 +28,7 @@ import platform
 import queue
 import re
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -283,6 +285,40 @@ def _flush_and_exit(q: Any, code: int) -> None:
     os._exit(code)
 
 
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace ``ip netns`` named."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def tls_options(cert: str, key: str) -> dict[str, ssl.SSLContext]:
+    """distgrad's mutual-TLS options from one certificate both sides present and trust."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    server.verify_mode = ssl.CERT_REQUIRED
+    server.load_verify_locations(cert)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_cert_chain(cert, key)
+    client.load_verify_locations(cert)
+    return {"server_ssl_context": server, "client_ssl_context": client}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's two processes run: the network namespaces of rank 0 and rank 1 (None:
+    this one), the rendezvous host, and (distgrad only) TLS certificate and key paths."""
+
+    netns: tuple[str | None, str | None] = (None, None)
+    master: str = "127.0.0.1"
+    tls: tuple[str, str] | None = None
+
+
 def _worker_main(
     impl: str,
     rank: int,
@@ -293,16 +329,22 @@ def _worker_main(
     done: Any,
     log_path: str,
     run_timeout: float,
+    placement: Placement = Placement(),
 ) -> None:
     """Body of each spawned process (rank 0 = caller, rank 1 = callee)."""
+    if placement.netns[rank] is not None:
+        enter_netns(placement.netns[rank])  # type: ignore[arg-type]
     _redirect_output(log_path)
     warnings.filterwarnings("ignore")
     phase = "import"
     try:
         rpc = import_rpc(impl)
         phase = "init"
+        extra: dict[str, Any] = {}
+        if impl == "distgrad" and placement.tls is not None:
+            extra = tls_options(*placement.tls)
         options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120.0
+            init_method=f"tcp://{placement.master}:{port}", rpc_timeout=120.0, **extra
         )
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
         _put(q, "ready", rank)
@@ -341,6 +383,7 @@ def run_group(
     timeout: float = 300.0,
     shutdown_grace: float = 30.0,
     env: dict[str, str] | None = None,
+    placement: Placement | None = None,
 ) -> GroupResult:
     """Run ``caller(rpc, "worker1", config)`` in rank 0 of a fresh 2-process group.
 
@@ -360,7 +403,18 @@ def run_group(
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(impl, rank, port, caller, config, q, done, str(logs[rank]), timeout),
+            args=(
+                impl,
+                rank,
+                port,
+                caller,
+                config,
+                q,
+                done,
+                str(logs[rank]),
+                timeout,
+                placement or Placement(),
+            ),
             name=f"bench-{impl}-rank{rank}",
             daemon=True,
         )

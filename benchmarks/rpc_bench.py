@@ -4,6 +4,14 @@ Run from the repository root::
 
     PYTHONPATH=src python benchmarks/rpc_bench.py            # full run (~2 min on 2 cores)
     PYTHONPATH=src python benchmarks/rpc_bench.py --quick    # smoke run (~30 s)
+    PYTHONPATH=src python benchmarks/rpc_bench.py --netns    # between two netns "hosts" (root)
+    PYTHONPATH=src python benchmarks/rpc_bench.py --netns --tls   # distgrad over mutual TLS
+
+With ``--netns`` the caller and the callee run in two network namespaces joined by veth pairs
+to a bridge (``tests/_netns.py``): traffic crosses a real TCP path between "hosts" (no Unix
+sockets, no same-host memory reads), as between machines; TensorPipe is pinned to that
+interface. ``--tls`` adds mutual TLS to distgrad's connections (TensorPipe has no TLS: it runs
+in plaintext beside it).
 
 Each implementation runs in its own freshly spawned 2-process group (caller ``worker0``,
 callee ``worker1``, rendezvous on ``tcp://127.0.0.1:<free port>``). The groups are
@@ -18,14 +26,18 @@ import argparse
 import gc
 import math
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from _common import (
     IMPLEMENTATIONS,
     GroupResult,
+    Placement,
     echo,
     ensure_distgrad_importable,
     environment_info,
@@ -191,6 +203,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds before a group is killed (derived from the work)",
     )
     p.add_argument(
+        "--netns",
+        action="store_true",
+        help="run caller and callee in two network namespaces joined by a bridge (needs root)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="with --netns: distgrad over mutual TLS (TensorPipe: none)",
+    )
+    p.add_argument(
         "--no-snapshot",
         action="store_true",
         help="import distgrad from the source tree in every group instead of from a copy "
@@ -207,6 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rounds = 2 if args.quick else 3
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.tls and not args.netns:
+        p.error("--tls goes with --netns (on one host distgrad uses Unix sockets)")
     return args
 
 
@@ -492,6 +516,38 @@ def print_report(
 def run_rounds(
     args: argparse.Namespace, cfg: dict[str, Any]
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    if not args.netns:
+        return _run_rounds(args, cfg, None, {})
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests._netns import Hosts, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--netns: {reason}")
+    with Hosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
+        tls = None
+        if args.tls:
+            tls = (f"{tmp}/cert.pem", f"{tmp}/key.pem")
+            names = ",".join(f"IP:{hosts.address(k)}" for k in range(2))
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                 "-subj", "/CN=distgrad-bench", "-addext", f"subjectAltName={names}",
+                 "-keyout", tls[1], "-out", tls[0]],
+                check=True, capture_output=True, timeout=60,
+            )  # fmt: skip
+        placement = Placement(
+            netns=(hosts.names[0], hosts.names[1]), master=hosts.address(0), tls=tls
+        )
+        pinned = {"TP_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
+        return _run_rounds(args, cfg, placement, pinned)
+
+
+def _run_rounds(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    placement: Placement | None,
+    env: dict[str, str],
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     samples = {impl: _new_samples() for impl in IMPLEMENTATIONS}
     per_round: list[dict[str, Any]] = []
     timeout = args.group_timeout or group_timeout(cfg)
@@ -500,10 +556,10 @@ def run_rounds(
         # over the run cancels out as well as it can.
         order = IMPLEMENTATIONS if rnd % 2 else IMPLEMENTATIONS[::-1]
         for impl in order:
-            res = run_group(impl, caller, cfg, timeout=timeout)
+            res = run_group(impl, caller, cfg, timeout=timeout, env=env, placement=placement)
             if not res.ok and res.phase in ("init", "start"):
                 print(f"  round {rnd} {impl}: failed during {res.phase}; retrying once", flush=True)
-                res = run_group(impl, caller, cfg, timeout=timeout)
+                res = run_group(impl, caller, cfg, timeout=timeout, env=env, placement=placement)
             per_round.append(report_group(rnd, args.rounds, res, samples[impl]))
     return samples, per_round
 
@@ -580,6 +636,8 @@ def _main(args: argparse.Namespace) -> int:
         print("torch.distributed.rpc is not available in this torch build", file=sys.stderr)
         return 2
     plan = [f"rounds {args.rounds}{' (quick)' if args.quick else ''}"]
+    if args.netns:
+        plan.append("two netns hosts over TCP" + (" (distgrad: mutual TLS)" if args.tls else ""))
     if "latency" in cfg["only"]:
         plan.append(f"sync latency {cfg['lat_iters']} calls (+{cfg['lat_warmup']} warm-up)")
     if "async" in cfg["only"]:
