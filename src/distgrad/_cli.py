@@ -10,13 +10,20 @@ from . import _demo, _launcher
 
 __all__ = ["main"]
 
+_DESCRIPTION = (
+    "distgrad: distributed autograd over RPC for PyTorch. 'distgrad demo' trains a model "
+    "split across local worker processes; 'distgrad run' starts N local worker processes of a "
+    "script, as torchrun does on one host."
+)
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="distgrad", description=__doc__)
+    parser = argparse.ArgumentParser(prog="distgrad", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    _demo.add_parser(sub)
-    _launcher.add_parser(sub)
-    args = parser.parse_args(argv)
+    commands = {"demo": _demo.add_parser(sub), "run": _launcher.add_parser(sub)}
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it with the command's own usage, not the top-level one
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.command == "demo":
         return _demo.run(args)

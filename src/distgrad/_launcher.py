@@ -54,9 +54,9 @@ _PR_SET_PDEATHSIG = 1
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``run`` on the CLI's subparsers."""
-    run_parser = sub.add_parser(
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``run`` on the CLI's subparsers; returns its parser."""
+    run_parser: argparse.ArgumentParser = sub.add_parser(
         "run",
         help="launch N local worker processes of a script (like torchrun on one host)",
         description="Start N local worker processes of a script (or module), each with the "
@@ -97,6 +97,7 @@ def add_parser(sub: Any) -> None:
         metavar="script [args ...]",
         help="the script (or module, with -m) each worker runs, and its arguments",
     )
+    return run_parser
 
 
 def _error(message: str) -> int:

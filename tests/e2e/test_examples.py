@@ -126,3 +126,30 @@ def test_rl_actor_learner() -> None:
     )
     assert_gradient_check_passed(output)
     assert "episode    3" in output
+
+
+def test_train_script_as_the_readme_runs_it() -> None:
+    """The README's ``distgrad run -n 4 examples/train.py --epochs 3``: four workers from the
+    launcher, three epochs on worker 0, the gradient check passes, every worker exits 0."""
+    output = run_example(
+        "-m", "distgrad", "run", "-n", "4", "examples/train.py", "--epochs", "3", "--steps", "5"
+    )
+    assert_gradient_check_passed(output)
+    assert "[0] epoch 3/3  loss" in output
+    assert "hidden block on each of worker1, worker2, worker3" in output
+
+
+def test_train_script_alone_says_how_to_start_it() -> None:
+    """Run without a launcher, ``examples/train.py`` exits 2 naming ``distgrad run``."""
+    env = _env()
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train.py")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "distgrad run -n 4 examples/train.py" in done.stderr

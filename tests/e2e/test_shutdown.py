@@ -3,6 +3,7 @@ timed shutdowns return promptly and always leave RPC uninitialized."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -234,3 +235,38 @@ def test_a_program_that_ends_without_shutdown_stops_its_agent_first(tmp_path: Pa
     assert "the program gives up without shutdown()" in done.stderr
     assert done.returncode == 1, done.stderr[-2000:]
     assert "left running at exit: []" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.name} {record.levelname} {record.getMessage()}")
+
+
+def calls_everyone_then_shuts_down(rank: int, world_size: int) -> list[str]:
+    """Calls every worker (itself included), shuts down gracefully, and returns every
+    record distgrad logged meanwhile, DEBUG included."""
+    records = _Records()
+    logger = logging.getLogger("distgrad")
+    logger.addHandler(records)
+    logger.setLevel(logging.DEBUG)
+    try:
+        for r in range(world_size):
+            assert rpc.rpc_sync(f"worker{r}", torch.add, (torch.ones(2), r)).tolist() == [r + 1] * 2
+            rpc.remote(f"worker{r}", torch.ones, (2,)).to_here()
+        rpc.shutdown()  # returns once every connection is closed (or its timeout passed)
+    finally:
+        logger.removeHandler(records)
+    return records.messages
+
+
+def test_clean_graceful_shutdown_reports_no_failure() -> None:
+    """Three workers that talked to each other shut down gracefully: not one log record, even
+    at DEBUG, says a connection failed or a peer closed it unexpectedly."""
+    results = run_workers(calls_everyone_then_shuts_down, 3, shutdown=False)
+    for rank, messages in results.items():
+        bad = [m for m in messages if re.search("fail|unexpected|die|dead|lost", m, re.I)]
+        assert not bad, (rank, bad)

@@ -56,8 +56,8 @@ def drive(args: argparse.Namespace) -> bool:
     x_train, y_train, x_test, y_test = _work.load_digits(args.seed)
     others = [f"worker{r}" for r in range(1, args.workers)]
     print(
-        f"distgrad demo: {args.workers} worker processes, layout {args.layout!r}, "
-        f"{len(x_train)} training / {len(x_test)} test images (scikit-learn digits, 8x8)"
+        f"  data: {len(x_train)} training / {len(x_test)} test images "
+        f"(scikit-learn digits, 8x8; split with seed {args.seed})"
     )
     if args.layout == "pipeline":
         ok = _pipeline(args, others, x_train, y_train, x_test, y_test)
@@ -84,14 +84,13 @@ def _pipeline(
     x_test: torch.Tensor,
     y_test: torch.Tensor,
 ) -> bool:
-    bounds = _work.stage_bounds(len(stages))
-    layout = ", ".join(
-        f"{name}: layers {start}-{end - 1}"
-        for name, (start, end) in zip(stages, bounds, strict=True)
-    )
-    print(f"  model {' -> '.join(map(str, _work.LAYER_SIZES))} split into stages ({layout})")
     print(
-        f"  each batch of {args.batch_size} travels as {args.micro_batches} micro-batches in flight"
+        f"  model {' -> '.join(map(str, _work.LAYER_SIZES))} split into {len(stages)} stages "
+        f"({_work.describe_stages(stages)})"
+    )
+    print(
+        f"  each batch of {args.batch_size} travels as {args.micro_batches} micro-batches "
+        "in flight at once"
     )
     trainer = _work.PipelineTrainer(stages, args.seed, args.lr, args.micro_batches)
     batches = (len(x_train) + args.batch_size - 1) // args.batch_size
@@ -125,7 +124,7 @@ def _parameter_server(
     print(
         f"  worker0 is the parameter server; {', '.join(trainers)} train on {len(trainers)} "
         "shards through RemoteModules sharing its model (taking turns from forward to "
-        "optimizer step)"
+        "optimizer step, round robin)"
     )
     module_rref = _work.serve_model(args.seed)
     shards = list(zip(x_train.chunk(len(trainers)), y_train.chunk(len(trainers)), strict=True))
@@ -135,12 +134,17 @@ def _parameter_server(
     ]
     for future in setups:
         future.wait()
-    steps = sum((len(xs) + args.batch_size - 1) // args.batch_size for xs, _ in shards)
+    turns = {
+        name: _work.shard_steps(len(xs), args.batch_size)
+        for name, (xs, _) in zip(trainers, shards, strict=True)
+    }
+    steps = sum(turns.values())
     progress = _Progress(args.epochs, steps)
     started = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         epoch_start = time.perf_counter()
         base = _work.progress_steps()
+        _work.start_epoch(turns)
         futures = [
             rpc.rpc_async(name, _work.trainer_epoch, (args.batch_size, args.seed * 1000 + epoch))
             for name in trainers

@@ -9,7 +9,8 @@ Two layouts of one model (an MLP classifying scikit-learn's bundled 8x8 digits):
   ``DistributedOptimizer`` steps every stage's parameters where they live.
 * **ps** (parameter server) -- worker0 holds the whole model; workers 1..N-1 are trainers, each
   with its shard of the data, training concurrently through a ``RemoteModule`` that shares the
-  server's module, each with its own ``DistributedOptimizer``.
+  server's module, each with its own ``DistributedOptimizer``. They take turns on the shared
+  model in a fixed round-robin order (``TurnOrder``), so a seed gives the same run every time.
 
 Every module built here starts from the same seed, so a single-process copy of the model (the
 gradient check) is bit-for-bit the model the workers train.
@@ -29,7 +30,14 @@ import distgrad.rpc as rpc
 from distgrad.nn import RemoteModule
 from distgrad.optim import DistributedOptimizer
 
-__all__ = ["LAYER_SIZES", "MAX_STAGES", "build_model", "load_digits", "stage_bounds"]
+__all__ = [
+    "LAYER_SIZES",
+    "MAX_STAGES",
+    "build_model",
+    "describe_stages",
+    "load_digits",
+    "stage_bounds",
+]
 
 LAYER_SIZES = (64, 128, 96, 64, 10)
 MAX_STAGES = len(LAYER_SIZES) - 1  # one Linear layer per stage at most
@@ -83,6 +91,18 @@ def stage_bounds(num_stages: int) -> list[tuple[int, int]]:
         (2 * starts[i], 2 * starts[i + 1] if i + 1 < num_stages else total)
         for i in range(num_stages)
     ]
+
+
+def describe_stages(names: list[str]) -> str:
+    """Which layer sizes each stage worker holds, e.g. ``"worker1: 64 -> 128 -> 96, worker2:
+    96 -> 64 -> 10"``."""
+    bounds = stage_bounds(len(names))
+    parts = []
+    for name, (start, end) in zip(names, bounds, strict=True):
+        first, last = start // 2, (end + 1) // 2  # Linear layers start..last-1 (each + ReLU)
+        sizes = " -> ".join(map(str, LAYER_SIZES[first : last + 1]))
+        parts.append(f"{name}: {sizes}")
+    return ", ".join(parts)
 
 
 def _params_as_rrefs(module: nn.Module) -> list[rpc.RRef[nn.Parameter]]:
@@ -199,18 +219,65 @@ def trainer_setup(
     )
 
 
-# The server's model is shared: a step's forward pass saves weights that its backward pass needs,
-# and another trainer's optimizer step would change them in place in between (autograd then
-# refuses: "modified by an inplace operation"). Trainers take turns from forward to step.
-_turn = threading.Lock()
+class TurnOrder:
+    """The order in which trainers use the server's shared model.
+
+    A step's forward pass saves weights that its backward pass needs, and another trainer's
+    optimizer step would change them in place in between (autograd then refuses: "modified by
+    an inplace operation"), so trainers take turns from forward to optimizer step. The turns go
+    round robin in a fixed order (trainer by trainer, skipping those whose shard has no batch
+    left), not first come first served: the same seed then gives the same numbers on every
+    run, whichever trainer's message happens to arrive first.
+    """
+
+    #: A trainer that waits this long for its turn gives up (another one died or hung).
+    WAIT_S = 300.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._order: list[str] = []
+        self._next = 0
+
+    def start_epoch(self, steps: dict[str, int]) -> None:
+        """Set the turns of one epoch: ``steps`` maps each trainer to its number of batches."""
+        order = [
+            name for k in range(max(steps.values(), default=0)) for name in steps if k < steps[name]
+        ]
+        with self._cond:
+            self._order, self._next = order, 0
+
+    def take(self, name: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._next < len(self._order) and self._order[self._next] == name,
+                timeout=self.WAIT_S,
+            ):
+                raise RuntimeError(f"{name} waited {self.WAIT_S:g} s for its turn")
+
+    def end(self) -> None:
+        with self._cond:
+            self._next += 1
+            self._cond.notify_all()
 
 
-def take_turn() -> None:
-    _turn.acquire()
+_turns = TurnOrder()
+
+
+def start_epoch(steps: dict[str, int]) -> None:
+    """On the server: the turns of the next epoch (see ``TurnOrder``)."""
+    _turns.start_epoch(steps)
+
+
+def take_turn(name: str) -> None:
+    _turns.take(name)
 
 
 def end_turn() -> None:
-    _turn.release()
+    _turns.end()
+
+
+def shard_steps(shard_size: int, batch_size: int) -> int:
+    return (shard_size + batch_size - 1) // batch_size
 
 
 def trainer_epoch(batch_size: int, seed: int) -> float:
@@ -219,8 +286,9 @@ def trainer_epoch(batch_size: int, seed: int) -> float:
     optimizer: DistributedOptimizer = _state["optimizer"]
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     losses = []
+    me = rpc.get_worker_info().name
     for batch in torch.split(order, batch_size):
-        rpc.rpc_sync("worker0", take_turn)
+        rpc.rpc_sync("worker0", take_turn, (me,))
         try:
             with dist_autograd.context() as context_id:
                 loss = nn.functional.cross_entropy(model(x[batch]), y[batch])

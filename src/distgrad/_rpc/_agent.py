@@ -64,7 +64,7 @@ from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
-from ._remote_error import error_payload, exception_from_payload
+from ._remote_error import error_payload, exception_from_payload, report_udf_error
 from ._rref_context import RRefContext
 from ._worker_info import WorkerInfo
 
@@ -589,7 +589,9 @@ class RpcAgent(FrameHandler):
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
             )
         except (AttributeError, ImportError) as exc:
-            self._reply_error(conn, frame.message_id, RuntimeError(f"{_UDF_MISSING} ({exc!r})"))
+            missing = RuntimeError(f"{_UDF_MISSING} ({exc!r})")
+            report_udf_error(missing, str(self.worker_info))
+            self._reply_error(conn, frame.message_id, missing)
             return
         except BaseException as exc:
             self._reply_error(
@@ -620,7 +622,10 @@ class RpcAgent(FrameHandler):
                         return
                     result = func(*args, **(kwargs or {}))
         except BaseException as exc:
-            self._reply_error(conn, frame.message_id, exc, builtin=is_builtin(func))
+            builtin = is_builtin(func)
+            if not builtin:  # as the reference's callee: a Python function's error is printed
+                report_udf_error(exc, str(self.worker_info))
+            self._reply_error(conn, frame.message_id, exc, builtin=builtin)
             return
         self._reply(conn, frame.message_id, result, state)
 

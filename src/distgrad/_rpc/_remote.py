@@ -15,8 +15,9 @@ import torch
 from .._errors import RpcTimeoutError
 from . import _profiling
 from ._agent import RpcAgent
-from ._calls import set_future_error
+from ._calls import is_builtin, set_future_error
 from ._functions import async_execution
+from ._remote_error import report_udf_error
 from ._rref import RRef, _agent_or_raise, _done_future
 from ._rref_context import GloballyUniqueId, OwnerValue
 from ._worker_info import WorkerInfo
@@ -129,6 +130,8 @@ def _remote_exec(
                 f"torch.futures.Future object, but got {kind.__module__}.{kind.__qualname__}"
             )
     except BaseException as exc:
+        if not is_builtin(func):  # printed on the owner, as the reference's callee does
+            report_udf_error(exc, str(_agent_or_raise().worker_info))
         value.set_error(exc)
         return _done_future()
     replied: torch.futures.Future[None] = torch.futures.Future()

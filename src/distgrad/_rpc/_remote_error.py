@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pickle
+import sys
 import traceback
 from typing import Any
 
-__all__ = ["RemoteTraceback", "error_payload", "exception_from_payload", "remember_traceback"]
+__all__ = [
+    "RemoteTraceback",
+    "error_payload",
+    "exception_from_payload",
+    "remember_traceback",
+    "report_udf_error",
+]
 
 # Where an exception was first raised, as text, for copies that travel without their frames.
 _TRACEBACK_ATTR = "_distgrad_traceback"
@@ -55,6 +62,16 @@ def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tupl
     except Exception:
         pickled_type = pickle.dumps(RuntimeError, protocol=5)
     return message, tb, pickled_type
+
+
+def report_udf_error(exc: BaseException, where: str) -> None:
+    """Print what the reference's callee prints when a Python function called over RPC raises:
+    ``On {worker}:\n{repr(e)}\n{traceback}`` on its stderr (torch's ``_run_function``).
+    Programs and their operators read these callee-side logs; the caller gets the error too."""
+    try:
+        print(f"On {where}:\n{exc!r}\n{_traceback_text(exc)}", file=sys.stderr, flush=True)
+    except Exception:  # a closed or broken stderr must not keep the error from the caller
+        pass
 
 
 def exception_from_payload(message: str, tb: str, pickled_type: bytes) -> BaseException:

@@ -100,6 +100,7 @@ class Connection:
         self._parser = FrameParser(max_message_size, read_remote=self._read_remote)
         self.closed = False
         self.goodbye_received = False
+        self._goodbye_sent = False
         self.close_error: Exception | None = None
         now = time.monotonic()
         self.last_recv = now
@@ -138,6 +139,7 @@ class Connection:
         """Say goodbye, write what is queued, then half-close; the peer's EOF finishes it."""
         try:
             self.flush_later()  # before the goodbye, after which the peer takes no work
+            self._goodbye_sent = True  # before it is written: the peer's EOF may come at once
             self.send(encode_frame(Kind.GOODBYE, 0))
         except PeerFailureError:
             return
@@ -404,7 +406,9 @@ class Connection:
                 return
 
     def _on_eof(self) -> None:
-        if self.goodbye_received:
+        # After our goodbye, the peer's EOF is the orderly end even without its own goodbye: a
+        # peer that got ours closes the connection at once, without answering it.
+        if self.goodbye_received or self._goodbye_sent:
             self.close(None)
         else:
             self._fail(
