@@ -192,7 +192,9 @@ def test_exception_that_cannot_be_rebuilt(record: dict[str, Outcome]) -> None:
     """An exception type that can't be built from a message arrives as the reference's
     RuntimeError carrying the original message."""
     message = raised(record, "needs_two", "builtins.RuntimeError")
-    assert message.startswith("Failed to create original exception type. Error msg was ")
+    assert message.startswith(
+        "RuntimeError: Failed to create original exception type. Error msg was "
+    )
     assert "Original exception on remote side was On WorkerInfo(id=1, name=worker1):" in message
     assert "NeedsTwoArgs" in message
 

@@ -211,6 +211,20 @@ def test_good_worker_names(name: str) -> None:
     assert validate_worker_name(name) == name
 
 
+@pytest.mark.parametrize("name", ["", "a b", "w/1", "wörker", "x" * 128])
+def test_worker_info_refuses_bad_names(name: str) -> None:
+    """WorkerInfo(name, id) validates the name as torch's constructor does."""
+    with pytest.raises(RuntimeError, match=re.escape(NAME_ERROR.format(name)) + "$"):
+        rpc.WorkerInfo(name, 0)
+
+
+@pytest.mark.parametrize(("name", "id"), [(5, 0), ("w", "0"), ("w", 32768), ("w", -32769)])
+def test_worker_info_refuses_bad_types_and_ids(name: Any, id: Any) -> None:
+    """A name that is no str, or an id that is no int16, is torch's constructor TypeError."""
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        rpc.WorkerInfo(name, id)
+
+
 def test_worker_info() -> None:
     """WorkerInfo: attributes, repr/str, equality on (id, name), hash = hash(id)."""
     info = rpc.WorkerInfo("worker3", 3)
@@ -260,6 +274,41 @@ def test_init_rpc_rejects_bad_options() -> None:
         rpc.init_rpc("w", rank=0, world_size=1, rpc_backend_options=object())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "options", [rpc.RpcBackendOptions(), torch.distributed.rpc.RpcBackendOptions()]
+)
+def test_init_rpc_cannot_infer_a_backend(options: Any) -> None:
+    """Base-class options (distgrad's or torch's) name no backend: torch's TypeError, before
+    any rendezvous."""
+    with pytest.raises(TypeError, match=f"^{re.escape('Could not infer backend for options <')}"):
+        rpc.init_rpc("w", rank=0, world_size=1, rpc_backend_options=options)
+    assert not rpc._is_current_rpc_agent_set()
+
+
+def test_backend_is_inferred_from_options() -> None:
+    """Options of the TensorPipe type (distgrad's or torch's) infer TENSORPIPE."""
+    from distgrad._rpc._options import infer_backend
+
+    assert infer_backend(rpc.TensorPipeRpcBackendOptions()) is rpc.BackendType.TENSORPIPE
+    torch_options = torch.distributed.rpc.TensorPipeRpcBackendOptions()
+    assert infer_backend(torch_options) is rpc.BackendType.TENSORPIPE
+    assert repr(rpc.BackendType.TENSORPIPE) == "BackendType.TENSORPIPE"
+
+
+def test_init_rpc_backend_checks_its_arguments() -> None:
+    """rpc._init_rpc_backend checks argument types with torch's message."""
+    with pytest.raises(
+        RuntimeError,
+        match=exact(
+            "Argument None must be of type <class 'torch.distributed.distributed_c10d.Store'> "
+            "but got type <class 'NoneType'>"
+        ),
+    ):
+        rpc._init_rpc_backend(
+            rpc.BackendType.TENSORPIPE, None, "w", 0, 1, rpc.TensorPipeRpcBackendOptions()
+        )
+
+
 # -- use before init ---------------------------------------------------------------------------
 
 
@@ -274,7 +323,7 @@ def test_init_rpc_rejects_bad_options() -> None:
         lambda: rpc.shutdown(graceful=False),
         rpc.get_rpc_timeout,
         lambda: rpc._set_rpc_timeout(1.0),
-        rpc._get_current_rpc_agent,
+        rpc._get_debug_info,
         lambda: rpc.api._all_gather(1),
         lambda: rpc.api._barrier(["w"]),
     ],
@@ -287,7 +336,7 @@ def test_init_rpc_rejects_bad_options() -> None:
         "shutdown_not_graceful",
         "get_rpc_timeout",
         "set_rpc_timeout",
-        "get_current_rpc_agent",
+        "get_debug_info",
         "all_gather",
         "barrier",
     ],
@@ -297,6 +346,25 @@ def test_api_before_init(call: Any) -> None:
     with pytest.raises(RuntimeError, match=NOT_INITIALIZED):
         call()
     assert not rpc._is_current_rpc_agent_set()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [rpc._get_current_rpc_agent, rpc.api._get_current_rpc_agent, rpc._rref_context_get_debug_info],
+    ids=["rpc", "rpc.api", "rref_context_debug_info"],
+)
+def test_current_agent_before_init(call: Any) -> None:
+    """The agent's accessors used before init_rpc raise torch's "Current RPC agent is not
+    set!" error (torch's C++ check, not the Python decorator's)."""
+    with pytest.raises(
+        RuntimeError,
+        match=exact(
+            "Current RPC agent is not set! Did you initialize the RPC framework (e.g. by "
+            "calling `rpc.init_rpc`)?"
+        ),
+    ):
+        call()
+    assert rpc.api._is_current_rpc_agent_set() is rpc._is_current_rpc_agent_set() is False
 
 
 def test_is_available() -> None:

@@ -66,6 +66,7 @@ from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload, report_udf_error
 from ._rref_context import RRefContext
+from ._torchscript import is_script_function
 from ._worker_info import WorkerInfo
 
 __all__ = ["RpcAgent", "current_agent", "set_current_agent"]
@@ -110,6 +111,7 @@ class RpcAgent(FrameHandler):
         self._ids = itertools.count(1)
         self._active = 0
         self._active_lock = threading.Lock()
+        self._serving_async = 0  # @async_execution requests whose future is pending
         self._wheel: dict[int, set[int]] = {}
         self._wheel_lock = threading.Lock()
         self._ticking = False
@@ -189,7 +191,29 @@ class RpcAgent(FrameHandler):
         return info
 
     def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker of the group, by rank."""
         return [self._by_rank[r] for r in sorted(self._by_rank)]
+
+    def get_metrics(self) -> dict[str, str]:
+        """torch's agent metrics, with this agent's values (strings, as torch's):
+        ``agent.thread_pool_size`` (``num_worker_threads``), ``agent.num_idle_threads`` (pool
+        slots free now), ``agent.client_active_calls`` (user calls from here awaiting their
+        response), ``agent.server_active_calls`` (requests being served here, including those
+        waiting on nested calls) and ``agent.server_active_async_calls`` (``@async_execution``
+        requests whose future has not completed)."""
+        pool = self._workers
+        busy = pool.busy()
+        return {
+            "agent.server_active_async_calls": str(self._serving_async),
+            "agent.client_active_calls": str(self._active),
+            "agent.server_active_calls": str(busy),
+            "agent.num_idle_threads": str(max(0, pool.max_threads - busy)),
+            "agent.thread_pool_size": str(pool.max_threads),
+        }
+
+    def get_debug_info(self) -> dict[str, str]:
+        """torch's ``RpcAgent.get_debug_info()``: the metrics of :meth:`get_metrics`."""
+        return self.get_metrics()
 
     @property
     def transport(self) -> Transport:
@@ -622,7 +646,13 @@ class RpcAgent(FrameHandler):
                         return
                     result = func(*args, **(kwargs or {}))
         except BaseException as exc:
+            # builtin operators' and TorchScript functions' errors keep their bare message;
+            # TorchScript's own (torch.jit.Error) arrive as RuntimeError, as torch's do
             builtin = is_builtin(func)
+            if is_script_function(func):
+                builtin = True
+                if not isinstance(exc, RuntimeError):
+                    exc = RuntimeError(str(exc))
             if not builtin:  # as the reference's callee: a Python function's error is printed
                 report_udf_error(exc, str(self.worker_info))
             self._reply_error(conn, frame.message_id, exc, builtin=builtin)
@@ -651,8 +681,12 @@ class RpcAgent(FrameHandler):
         state: Any,
     ) -> None:
         future = check_async_result(func(*args, **(kwargs or {})))
+        with self._active_lock:
+            self._serving_async += 1
 
         def respond(done: torch.futures.Future[Any]) -> None:
+            with self._active_lock:
+                self._serving_async -= 1
             try:
                 result = done.value()
             except BaseException as exc:

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import numbers
 import os
 import sys
 import threading
@@ -26,6 +27,7 @@ from ._options import (
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     construct_rpc_backend_options,
+    infer_backend,
     is_backend_type,
 )
 from ._remote import create_remote
@@ -36,6 +38,7 @@ __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "init_rpc_backend",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -108,21 +111,14 @@ def init_rpc(
     if rpc_backend_options is not None and not _is_options(rpc_backend_options):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
     if backend is None and rpc_backend_options is not None:
-        if not _is_options(rpc_backend_options):
-            raise TypeError(f"Could not infer backend for options {rpc_backend_options}")
-        backend = BackendType.TENSORPIPE
+        backend = infer_backend(rpc_backend_options)
     if backend is None:
         backend = BackendType.TENSORPIPE
     if rpc_backend_options is None:
         rpc_backend_options = construct_rpc_backend_options(backend)
-    if backend.name == "TENSORPIPE" and not (
-        isinstance(rpc_backend_options, TensorPipeRpcBackendOptions)
-        or hasattr(rpc_backend_options, "num_worker_threads")
-    ):
-        raise TypeError(
-            f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {rpc_backend_options}"
-        )
-    options = _to_options(rpc_backend_options)
+    options = _check_options(backend, rpc_backend_options)
+    if not isinstance(name, str):  # torch's check (made before the rendezvous here)
+        raise RuntimeError(f"Argument {name} must be of type {str} but got type {type(name)}")
     validate_worker_name(name)
     with _init_lock:
         if current_agent() is not None:
@@ -135,27 +131,104 @@ def init_rpc(
         store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         for hook in init_hooks:
             hook(rank)
-        agent = RpcAgent(name, rank, world_size, options)
-        agent.keepalive += [store, iterator]
-        try:
-            secret = _rendezvous.agree_secret(store, rank, options)
-            address = agent.start_transport(
-                secret, _rendezvous.listen_host(options.init_method, options)
+        _start_agent(store, name, rank, world_size, options, keepalive=[iterator])
+
+
+def _check_options(backend: Any, options: object) -> TensorPipeRpcBackendOptions:
+    """``options`` as distgrad's agent takes them, or torch's error for options that do not
+    belong to ``backend``."""
+    if backend.name == "TENSORPIPE" and not (
+        isinstance(options, TensorPipeRpcBackendOptions) or hasattr(options, "num_worker_threads")
+    ):
+        raise TypeError(f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {options}")
+    return _to_options(options)
+
+
+def init_rpc_backend(
+    backend: Any = BackendType.TENSORPIPE,
+    store: Any = None,
+    name: str | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """torch's ``rpc._init_rpc_backend``: start the agent on a store the caller made (a
+    ``torch.distributed.Store`` every worker of the group shares), without the rendezvous of
+    ``init_rpc`` -- and, as torch's, without initializing distributed autograd."""
+    _validate_rpc_args(backend, store, name, rank, world_size, rpc_backend_options)
+    assert name is not None and rpc_backend_options is not None  # checked above
+    if world_size is None:
+        raise RuntimeError(
+            "distgrad needs a static RPC group: pass world_size (dynamic groups are not "
+            "supported yet)"
+        )
+    options = _check_options(backend, rpc_backend_options)
+    validate_worker_name(name)
+    with _init_lock:
+        if current_agent() is not None:
+            raise RuntimeError("RPC is already initialized")
+        _start_agent(store, name, rank, world_size, options, keepalive=[])
+
+
+def _validate_rpc_args(
+    backend: Any,
+    store: Any,
+    name: object,
+    rank: object,
+    world_size: object,
+    options: object,
+) -> None:
+    """torch's ``_validate_rpc_args``, with its message."""
+    checks: list[tuple[object, Any, bool]] = [
+        (backend, BackendType, is_backend_type(backend)),
+        (store, torch.distributed.Store, isinstance(store, torch.distributed.Store)),  # type: ignore[attr-defined]
+        (name, str, isinstance(name, str)),
+        (rank, numbers.Integral, isinstance(rank, numbers.Integral)),
+        (
+            world_size,
+            (numbers.Integral, type(None)),
+            isinstance(world_size, (numbers.Integral, type(None))),
+        ),
+        (options, RpcBackendOptions, _is_options(options)),
+    ]
+    for arg, arg_type, ok in checks:
+        if not ok:
+            raise RuntimeError(
+                f"Argument {arg} must be of type {arg_type} but got type {type(arg)}"
             )
-            workers, addresses = _rendezvous.exchange_addresses(
-                store, agent.worker_info, address, world_size
-            )
-            agent.set_peers(workers, addresses)
-            set_current_agent(agent)
-            _register_exit_hook()
-            _rendezvous.barrier(store, "distgrad/ready", world_size)
-        except BaseException:
-            set_current_agent(None)
-            agent.stop(graceful=False)
-            # Rank 0 hosts the TCPStore: keep it up after a failed init, as other workers may
-            # still be reading from it (they would see "Broken pipe" or hang otherwise).
-            _failed_stores.append(store)
-            raise
+
+
+def _start_agent(
+    store: Any,
+    name: str,
+    rank: int,
+    world_size: int,
+    options: TensorPipeRpcBackendOptions,
+    keepalive: list[Any],
+) -> None:
+    """Start the agent, meet the group through ``store`` and make the agent current (the
+    caller holds ``_init_lock``)."""
+    agent = RpcAgent(name, rank, world_size, options)
+    agent.keepalive += [store, *keepalive]
+    try:
+        secret = _rendezvous.agree_secret(store, rank, options)
+        address = agent.start_transport(
+            secret, _rendezvous.listen_host(options.init_method, options)
+        )
+        workers, addresses = _rendezvous.exchange_addresses(
+            store, agent.worker_info, address, world_size
+        )
+        agent.set_peers(workers, addresses)
+        set_current_agent(agent)
+        _register_exit_hook()
+        _rendezvous.barrier(store, "distgrad/ready", world_size)
+    except BaseException:
+        set_current_agent(None)
+        agent.stop(graceful=False)
+        # Rank 0 hosts the TCPStore: keep it up after a failed init, as other workers may
+        # still be reading from it (they would see "Broken pipe" or hang otherwise).
+        _failed_stores.append(store)
+        raise
 
 
 _exit_hook_registered = False

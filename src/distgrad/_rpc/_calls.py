@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,14 @@ if TYPE_CHECKING:
     from .._transport._transport import LoopbackConnection
     from .._wire._frames import Frame
 
-__all__ = ["RpcFuture", "check_async_result", "fresh_copy", "is_builtin", "set_future_error"]
+__all__ = [
+    "RpcFuture",
+    "callback_error_message",
+    "check_async_result",
+    "fresh_copy",
+    "is_builtin",
+    "set_future_error",
+]
 
 _find_builtin: Callable[[Any], Any] = _find_builtin_untyped
 
@@ -96,9 +104,14 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
 
     def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future[Any]:
         """As ``torch.futures.Future.then``, but the chained future is one of these too (its
-        ``wait()`` frees the pool slot as well), and an exception raised by ``callback`` keeps
-        its type (torch's wraps it in a RuntimeError "Got the following error when running the
-        callback")."""
+        ``wait()`` frees the pool slot as well).
+
+        As torch's: what is not callable raises torch's own ``TypeError`` here, and an
+        exception raised by ``callback`` fails the chained future with torch's
+        ``RuntimeError("Got the following error when running the callback: {type}: {msg}")``
+        -- the original exception is its ``__cause__``."""
+        if not callable(callback):
+            return super().then(callback)  # raises pybind's "then(): incompatible ..." error
         chained = RpcFuture()
         chained._pool = self._pool
 
@@ -106,12 +119,25 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
             try:
                 value = callback(done)
             except BaseException as exc:
-                set_future_error(chained, exc)
+                error = RuntimeError(callback_error_message(exc))
+                error.__cause__ = exc
+                set_future_error(chained, error)
             else:
                 chained.set_result(value)
 
         self.add_done_callback(run)
         return chained
+
+
+def callback_error_message(exc: BaseException) -> str:
+    """torch's message for an exception raised by a ``then`` callback: the type and message,
+    then the Python frames from where it was raised out to the callback, innermost first."""
+    message = f"Got the following error when running the callback: {type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # from the callback inwards
+    if frames:
+        where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
+        message += f"\n\nAt:\n{where}"
+    return message
 
 
 class _Call:

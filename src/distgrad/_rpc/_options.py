@@ -24,6 +24,8 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "backend_registered",
     "construct_rpc_backend_options",
+    "infer_backend",
+    "is_backend_type",
     "register_backend",
 ]
 
@@ -181,8 +183,15 @@ _registry: dict[str, BackendValue] = {
 }
 
 
+def _backend_type_repr(self: enum.Enum) -> str:
+    return "BackendType." + self.name
+
+
 def _make_enum() -> Any:
-    return enum.Enum("BackendType", {name: value for name, value in _registry.items()})
+    make: Any = enum.Enum
+    backend_type = make("BackendType", dict(_registry))
+    backend_type.__repr__ = _backend_type_repr  # as torch's: "BackendType.TENSORPIPE"
+    return backend_type
 
 
 BackendType: Any = _make_enum()
@@ -215,9 +224,26 @@ def construct_rpc_backend_options(
     **kwargs: Any,
 ) -> RpcBackendOptions:
     options: RpcBackendOptions = backend.value.construct_rpc_backend_options_handler(
-        rpc_timeout=rpc_timeout, init_method=init_method, **kwargs
+        rpc_timeout, init_method, **kwargs
     )
     return options
+
+
+def infer_backend(options: object) -> Any:
+    """The backend whose default options ``options`` is an instance of (torch's inference in
+    ``init_rpc``); torch's own TensorPipe options stand for TENSORPIPE. Raises torch's error
+    for options of no registered backend (e.g. the base ``RpcBackendOptions``)."""
+    for backend in BackendType:
+        try:
+            default = construct_rpc_backend_options(backend)
+        except Exception:  # a registered handler that cannot build defaults matches nothing
+            continue
+        if isinstance(options, type(default)):
+            return backend
+    torch_options = getattr(torch.distributed.rpc, "TensorPipeRpcBackendOptions", None)
+    if torch_options is not None and isinstance(options, torch_options):
+        return BackendType.TENSORPIPE
+    raise TypeError(f"Could not infer backend for options {options}")
 
 
 def is_backend_type(backend: object) -> bool:

@@ -94,6 +94,15 @@ class ThreadPool:
         thread.start()
         return True
 
+    @property
+    def max_threads(self) -> int:
+        return self._max
+
+    def busy(self) -> int:
+        """Tasks running now, counting those blocked waiting for an RPC (a snapshot)."""
+        with self._lock:
+            return len(self._threads) - self._idle
+
     def is_member(self) -> bool:
         """True on one of this pool's threads."""
         return self._mine.member

@@ -86,8 +86,9 @@ def exception_from_payload(message: str, tb: str, pickled_type: bytes) -> BaseEx
     try:
         error = exc_type(message)
     except Exception as construct_error:
-        error = RuntimeError(
-            f"Failed to create original exception type. Error msg was {construct_error} "
+        error = RuntimeError(  # torch's message, "RuntimeError: " in front included
+            f"RuntimeError: Failed to create original exception type. Error msg was "
+            f"{construct_error} "
             f"Original exception on remote side was {message}"
         )
     error.__cause__ = RemoteTraceback(tb)

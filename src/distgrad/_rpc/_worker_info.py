@@ -26,6 +26,14 @@ class WorkerInfo:
     __slots__ = ("id", "name")
 
     def __init__(self, name: str, id: int) -> None:
+        # torch's checks: a name of the allowed characters, an id that fits its int16
+        if not isinstance(name, str) or not isinstance(id, int) or not -32768 <= id < 32768:
+            raise TypeError(
+                "__init__(): incompatible constructor arguments. The following argument types "
+                "are supported:\n    1. WorkerInfo(name: str, id: int)\n\n"
+                f"Invoked with: {name!r}, {id!r}"
+            )
+        validate_worker_name(name)
         self.name = name
         self.id = id
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # As torch.distributed.rpc does with torch.distributed.autograd: an RPC worker always records
 # distributed autograd (importing it installs the recording into the RPC layer).
-from .. import autograd as _autograd  # noqa: F401
+from .. import autograd as _autograd
 
 # Profiling across workers rides on the same kind of hook (distgrad.profiler installs it).
 from .. import profiler as _profiler  # noqa: F401
@@ -18,8 +18,6 @@ from .._errors import (
     RpcTimeoutError,
 )
 from .._rpc import _api as _api_impl
-from .._rpc._agent import RpcAgent as _RpcAgent
-from .._rpc._agent import current_agent as _current_agent
 from .._rpc._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -76,6 +74,9 @@ __all__ = [
 
 _set_rpc_timeout = _api_impl.set_rpc_timeout
 _wait_all = _api_impl.wait_all
+_init_rpc_backend = _api_impl.init_rpc_backend
+_is_current_rpc_agent_set = api._is_current_rpc_agent_set
+_get_current_rpc_agent = api._get_current_rpc_agent
 PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
 
 
@@ -84,22 +85,20 @@ def _rref_context_get_debug_info() -> dict[str, str]:
     return _get_current_rpc_agent().rrefs.debug_info()
 
 
+@_api_impl._require_initialized
+def _get_debug_info() -> dict[str, str | int]:
+    """torch's ``rpc._get_debug_info()``: the RRef tables' sizes, the agent's metrics and
+    distributed autograd's counters, in one dict."""
+    info: dict[str, str | int] = {}
+    info.update(_rref_context_get_debug_info())
+    info.update(_get_current_rpc_agent().get_debug_info())
+    info.update(_autograd._get_debug_info())
+    return info
+
+
 def is_available() -> bool:
     """Always True: distgrad needs only sockets."""
     return True
-
-
-def _is_current_rpc_agent_set() -> bool:
-    return _current_agent() is not None
-
-
-def _get_current_rpc_agent() -> _RpcAgent:
-    agent = _current_agent()
-    if agent is None:
-        raise RuntimeError(
-            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
-        )
-    return agent
 
 
 # public objects report the public module in reprs and tracebacks

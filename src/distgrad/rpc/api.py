@@ -2,6 +2,8 @@
 
 from .._rpc import _api as _api_impl
 from .._rpc import _collectives
+from .._rpc._agent import RpcAgent as _RpcAgent
+from .._rpc._agent import current_agent as _current_agent
 from .._rpc._api import (
     get_worker_info,
     init_rpc,
@@ -21,6 +23,23 @@ _wait_all = _api_impl.wait_all
 _all_gather = _collectives.all_gather
 _barrier = _collectives.barrier
 _wait_all_workers = _collectives.wait_all_workers
+
+
+def _is_current_rpc_agent_set() -> bool:
+    """True between ``init_rpc`` and ``shutdown``."""
+    return _current_agent() is not None
+
+
+def _get_current_rpc_agent() -> _RpcAgent:
+    """This worker's agent (torch's; tools call ``get_worker_info(name_or_id=None)``,
+    ``get_worker_infos()``, ``get_debug_info()`` and ``get_metrics()`` on it)."""
+    agent = _current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "Current RPC agent is not set! Did you initialize the RPC framework (e.g. by "
+            "calling `rpc.init_rpc`)?"
+        )
+    return agent
 
 
 def _delete_all_user_and_unforked_owner_rrefs(timeout: float = 60.0) -> None:

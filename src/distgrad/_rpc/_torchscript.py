@@ -1,0 +1,69 @@
+"""TorchScript functions as RPC targets: sent by qualified name, as torch's RPC sends them.
+
+A ``torch.jit.ScriptFunction`` cannot be pickled. In a message it travels as its qualified
+name (``__torch__.<module>.<name>``); the receiver takes the function of that name from its
+own TorchScript compilation unit, after importing the module named in it if the function is
+not compiled there yet -- so, as with Python functions, the callee must have the module. The
+callee then calls it as Python would, and its errors arrive with their bare message, as a
+builtin operator's do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import torch
+
+from .._wire._pickler import register_reducer
+
+__all__ = ["ScriptFunction", "is_script_function"]
+
+ScriptFunction: Any = torch.jit.ScriptFunction
+_PREFIX = "__torch__."
+
+
+def is_script_function(func: object) -> bool:
+    return isinstance(func, ScriptFunction)
+
+
+def _compiled(qualified_name: str) -> Any:
+    cu: Any = torch.jit._state._python_cu  # type: ignore[attr-defined]
+    return cu.find_function(qualified_name)
+
+
+def script_function(qualified_name: str) -> Any:
+    """The receiving side: the ScriptFunction named ``qualified_name`` in this process.
+
+    Raises ``AttributeError`` (reported to the caller as a function missing on the callee)
+    when neither the compilation unit nor the module named in the name has it."""
+    found = _compiled(qualified_name)
+    if found is not None:
+        return found
+    path = qualified_name.removeprefix(_PREFIX)
+    module_name, _, attribute = path.rpartition(".")
+    candidates = [module_name] if module_name else []
+    candidates.append("__main__")  # functions of a script's main module are __torch__.<name>
+    for candidate in candidates:
+        try:
+            module = sys.modules.get(candidate) or importlib.import_module(candidate)
+        except ImportError:
+            continue
+        value = getattr(module, attribute, None)
+        found = _compiled(qualified_name)  # importing the module compiled it
+        if found is not None:
+            return found
+        if isinstance(value, ScriptFunction):
+            return value
+    raise AttributeError(
+        f"TorchScript function {qualified_name} is not defined on this worker: script it in "
+        "a module that this worker imports too (or send a Python function instead)"
+    )
+
+
+def _reduce_script_function(func: Any) -> tuple[Any, tuple[str]]:
+    return script_function, (str(func.qualified_name),)
+
+
+register_reducer(ScriptFunction, _reduce_script_function)
