@@ -299,6 +299,34 @@ def test_workers_with_different_secrets_cannot_talk() -> None:
     assert set(results) == {0, 1}
 
 
+# -- a secret set on some ranks only (issue 14, F3) ---------------------------------------------
+def init_expecting_failure(rank: int, world_size: int, port: int) -> tuple[str, float]:
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        init_group(rank, world_size, port, rpc_timeout=0)  # no timeout: a wait would hang
+    return str(info.value), time.monotonic() - started
+
+
+@pytest.mark.parametrize("with_secret", [0, 1])
+def test_secret_set_on_some_ranks_only_fails_at_once_everywhere(with_secret: int) -> None:
+    """DISTGRAD_SECRET set on one rank of two only: init_rpc fails at once on both ranks
+    (also with rpc_timeout=0) with an error naming the ranks with and without a secret."""
+    results = run_workers(
+        init_expecting_failure,
+        2,
+        init=False,
+        timeout=40,
+        secret=None,
+        env={"DISTGRAD_SECRET": ""},  # empty counts as unset (the test runner's may be set)
+        rank_env={with_secret: {"DISTGRAD_SECRET": "only-here"}},
+    )
+    without = 1 - with_secret
+    for message, elapsed in results.values():
+        assert f"secret is set on ranks [{with_secret}] but not on ranks [{without}]" in message
+        assert "DISTGRAD_SECRET" in message
+        assert elapsed < 10.0
+
+
 # -- TLS ---------------------------------------------------------------------------------------
 def self_signed(directory: Path) -> tuple[str, str]:
     cert, key = directory / "cert.pem", directory / "key.pem"

@@ -369,3 +369,100 @@ def test_graceful_shutdown_deletes_users() -> None:
     a UserRRef used afterwards raises the reference's deletion error."""
     out = run_workers(use_after_shutdown, 3, timeout=60, shutdown=False)
     assert all(o["str"].startswith("UserRRef(") for o in out.values())
+
+
+# -- remote() requests that fail before their function runs (issue 14, F2) -------------------
+def _rebuild_only_in(pid: int) -> FailsElsewhere:
+    if os.getpid() != pid:
+        raise ValueError("cannot rebuild here")
+    return FailsElsewhere()
+
+
+class FailsElsewhere:
+    """Pickles fine; unpickling it in any other process raises ValueError."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_only_in, (self.pid,))
+
+
+def bounded(fn: Any, seconds: float) -> tuple[str, float]:
+    """Run ``fn`` in a thread; ``(outcome, elapsed)``: the error's type and message, or
+    ``"hung"`` if it did not return within ``seconds``."""
+    outcome: list[str] = []
+
+    def run() -> None:
+        try:
+            outcome.append(f"returned {fn()!r}")
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return (outcome[0] if outcome else "hung"), time.monotonic() - started
+
+
+def unpicklable_argument(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rank == 0:
+        rref = rpc.remote("worker1", identity, args=(FailsElsewhere(),))
+        out["at_once"] = bounded(lambda: rref.to_here(timeout=0), 10.0)
+        rref._get_future().wait()  # the creation is answered: the error is the value's
+        out["again"] = bounded(lambda: rref.to_here(timeout=0), 10.0)
+        mine = rpc.remote("worker0", identity, args=(FailsElsewhere(),))  # to self: fine
+        out["self"] = type(mine.to_here()).__name__
+        del rref, mine
+        out["tables"] = {r: tables_on(r) for r in range(world_size)}
+    rpc.api._barrier([f"worker{r}" for r in range(world_size)])
+    return out
+
+
+def test_remote_with_unpicklable_argument_fails_at_once() -> None:
+    """remote() with an argument that fails to unpickle on the owner: to_here(timeout=0),
+    sent before and after the creation is answered, raises that error at once (not a
+    timeout, not a hang), owner tables end empty and graceful shutdown returns."""
+    out = run_workers(unpicklable_argument, 2, timeout=60)[0]
+    for key in ("at_once", "again"):
+        outcome, elapsed = out[key]
+        assert outcome.startswith("RuntimeError"), outcome
+        assert "could not unpickle the request: ValueError('cannot rebuild here')" in outcome
+        assert elapsed < 5.0
+    assert out["self"] == "FailsElsewhere"
+    assert out["tables"] == {r: EMPTY for r in range(2)}
+
+
+def rref_argument_of_dead_owner(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rank == 2:
+        time.sleep(60)  # killed long before
+    if rank == 0:
+        doomed = rpc.remote("worker2", make, args=(2,))
+        doomed.to_here()
+        rpc.rpc_sync("worker2", die_soon, (0.1,))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until worker0 knows worker2 is gone
+            try:
+                rpc.rpc_sync("worker2", make, (1,), timeout=1)
+            except rpc.PeerFailureError:
+                break
+            time.sleep(0.1)
+        rref = rpc.remote("worker1", fetch_plus, args=(doomed, 1.0))
+        out["outcome"] = bounded(lambda: rref.to_here(timeout=0), 15.0)
+        del rref
+    rpc.api._barrier(["worker0", "worker1"])
+    rpc.shutdown(graceful=False)
+    return out
+
+
+def test_remote_with_rref_argument_of_dead_owner_fails_at_once() -> None:
+    """remote() whose RRef argument's owner died: the owner of the new value fails it with
+    the dead owner's PeerFailureError, so to_here(timeout=0) raises that at once."""
+    results = run_workers(rref_argument_of_dead_owner, 3, timeout=60, shutdown=False, may_die={2})
+    assert results[2] == Died(-signal.SIGKILL)
+    outcome, elapsed = results[0]["outcome"]
+    assert outcome.startswith("PeerFailureError") and "worker2" in outcome, outcome
+    assert elapsed < 10.0

@@ -612,25 +612,32 @@ class RpcAgent(FrameHandler):
             _ext, (func, args, kwargs) = decode(
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
             )
-        except (AttributeError, ImportError) as exc:
-            missing = RuntimeError(f"{_UDF_MISSING} ({exc!r})")
-            report_udf_error(missing, str(self.worker_info))
-            self._reply_error(conn, frame.message_id, missing)
-            return
         except BaseException as exc:
-            self._reply_error(
-                conn, frame.message_id, RuntimeError(f"could not unpickle the request: {exc!r}")
-            )
-            return
+            if isinstance(exc, (AttributeError, ImportError)):
+                error = RuntimeError(f"{_UDF_MISSING} ({exc!r})")
+                report_udf_error(error, str(self.worker_info))
+            else:
+                error = RuntimeError(f"could not unpickle the request: {exc!r}")
+            unrun: BaseException | None = error
+        else:
+            unrun = None
         finally:
             unconfirmed = RRefContext.stop_collecting(previous)
-        del frame.buffers[:]
-        if unconfirmed:  # RRefs in the arguments: run once their owners know them
+        if unrun is None and unconfirmed:  # RRefs in the arguments: run once owners know them
             try:
                 self._wait_confirmed(unconfirmed)
             except BaseException as exc:
-                self._reply_error(conn, frame.message_id, exc)
-                return
+                unrun = exc
+        if unrun is not None:
+            # Failed before the function ran. A remote() creation's error is its value's (as
+            # if the function had raised it), and the creation is answered: a to_here()
+            # already on its way raises it instead of waiting for a value never set.
+            if self.rrefs.fail_creation(unrun):
+                self._reply(conn, frame.message_id, None, None)
+            else:
+                self._reply_error(conn, frame.message_id, unrun)
+            return
+        del frame.buffers[:]
         state = states[0] if states else None
         try:
             if state is None:

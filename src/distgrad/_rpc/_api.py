@@ -213,10 +213,10 @@ def _start_agent(
     try:
         secret = _rendezvous.agree_secret(store, rank, options)
         address = agent.start_transport(
-            secret, _rendezvous.listen_host(options.init_method, options)
+            secret.key, _rendezvous.listen_host(options.init_method, options)
         )
         workers, addresses = _rendezvous.exchange_addresses(
-            store, agent.worker_info, address, world_size
+            store, agent.worker_info, address, world_size, secret.explicit
         )
         agent.set_peers(workers, addresses)
         set_current_agent(agent)

@@ -19,7 +19,7 @@ from ._calls import is_builtin, set_future_error
 from ._functions import async_execution
 from ._remote_error import report_udf_error
 from ._rref import RRef, _agent_or_raise, _done_future
-from ._rref_context import GloballyUniqueId, OwnerValue
+from ._rref_context import OwnerValue, RemoteCreation
 from ._worker_info import WorkerInfo
 
 __all__ = ["create_remote"]
@@ -44,7 +44,7 @@ def create_remote(
         ctx.keep_owner(rref_id, value)
         ctx.add_fork(rref_id, rref_id)
         rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
-        call_args = (rref_id, rref_id, func, args, kwargs)
+        call_args = (RemoteCreation(rref_id, rref_id), func, args, kwargs)
         future = _create_call(agent, dst, func, call_args, timeout, force)
 
         def created_here(error: BaseException | None) -> None:
@@ -59,7 +59,8 @@ def create_remote(
     fork_id = ctx.new_id()
     rref = RRef._new_user(ctx, rref_id, fork_id, dst)
     ctx.add_pending_user(fork_id, rref)
-    future = _create_call(agent, dst, func, (rref_id, fork_id, func, args, kwargs), timeout, force)
+    creation = RemoteCreation(rref_id, fork_id)
+    future = _create_call(agent, dst, func, (creation, func, args, kwargs), timeout, force)
 
     rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
     return rref
@@ -106,15 +107,16 @@ def _after(
 
 @async_execution
 def _remote_exec(
-    rref_id: GloballyUniqueId,
-    fork_id: GloballyUniqueId,
+    creation: RemoteCreation,
     func: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> torch.futures.Future[None]:
     """Create the value of a ``remote()`` call; answered once it is set (or failed: the
-    error is the value's, raised where it is used, as in the reference)."""
+    error is the value's, raised where it is used, as in the reference). A request that fails
+    before this runs gives its error to the value too (``RRefContext.fail_creation``)."""
     ctx = _agent_or_raise().rrefs
+    rref_id, fork_id = creation.rref_id, creation.fork_id
     value = ctx.get_or_create_owner(rref_id)
     if fork_id != rref_id:
         ctx.add_fork(rref_id, fork_id)

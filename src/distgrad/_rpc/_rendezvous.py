@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -25,6 +26,7 @@ from ._options import TensorPipeRpcBackendOptions
 from ._worker_info import WorkerInfo
 
 __all__ = [
+    "ClusterSecret",
     "agree_secret",
     "barrier",
     "exchange_addresses",
@@ -33,6 +35,11 @@ __all__ = [
 ]
 
 _FOREVER = timedelta(days=365)
+_SECRET_KEY = "distgrad/secret"
+#: rank 0 writes where its secret comes from: one of the two values below
+_SECRET_SOURCE = "distgrad/secret-source"
+_EXPLICIT = "explicit"
+_GENERATED = "generated"
 
 
 def store_timeout(rpc_timeout: float) -> timedelta:
@@ -62,19 +69,55 @@ def open_store(
     return store, rank, world_size, iterator
 
 
-def agree_secret(store: Any, rank: int, options: TensorPipeRpcBackendOptions) -> bytes:
+@dataclass(frozen=True)
+class ClusterSecret:
+    """The handshake key, and whether it was set on this rank (``secret=`` or
+    ``$DISTGRAD_SECRET``) rather than made by rank 0 and read from the store."""
+
+    key: bytes
+    explicit: bool
+
+
+def agree_secret(store: Any, rank: int, options: TensorPipeRpcBackendOptions) -> ClusterSecret:
     """The cluster secret: from the options, else ``$DISTGRAD_SECRET``, else made by rank 0
-    and shared through the store (which must then be trusted)."""
-    if options.secret is not None:
-        return options.secret
-    from_env = _config.env_str(_config.ENV_SECRET)
-    if from_env is not None:
-        return from_env.encode()
+    and shared through the store (which must then be trusted).
+
+    Rank 0 always says in the store which it did, so a rank without a secret of its own never
+    waits for a generated one that rank 0, holding an explicit secret, will never write. A
+    secret set on some ranks only is reported by :func:`exchange_addresses`, on every rank."""
+    explicit = options.secret
+    if explicit is None:
+        from_env = _config.env_str(_config.ENV_SECRET)
+        explicit = from_env.encode() if from_env is not None else None
     if rank == 0:
+        if explicit is not None:
+            store.set(_SECRET_SOURCE, _EXPLICIT)
+            return ClusterSecret(explicit, True)
         token = secrets.token_hex(32)
-        store.set("distgrad/secret", token)
-        return token.encode()
-    return bytes(store.get("distgrad/secret"))
+        store.set(_SECRET_KEY, token)
+        store.set(_SECRET_SOURCE, _GENERATED)
+        return ClusterSecret(token.encode(), False)
+    if explicit is not None:
+        return ClusterSecret(explicit, True)
+    if bytes(store.get(_SECRET_SOURCE)).decode() != _GENERATED:
+        # Rank 0 has a secret of its own and shares none: this rank fails in
+        # exchange_addresses, with every other; until then a key that matches nobody's.
+        return ClusterSecret(secrets.token_hex(32).encode(), False)
+    return ClusterSecret(bytes(store.get(_SECRET_KEY)), False)
+
+
+def _check_secrets(explicit: dict[int, bool]) -> str | None:
+    """Why the ranks cannot agree on a secret (set on some ranks only), or None."""
+    with_secret = [rank for rank, has in explicit.items() if has]
+    without = [rank for rank, has in explicit.items() if not has]
+    if not with_secret or not without:
+        return None
+    return (
+        f"the cluster secret is set on ranks {with_secret} but not on ranks {without} "
+        f"(TensorPipeRpcBackendOptions(secret=...) or ${_config.ENV_SECRET}): set the same "
+        "secret on every rank, or on none (rank 0 then makes one and shares it through the "
+        "rendezvous store)"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -106,9 +149,10 @@ def listen_host(init_method: str, options: TensorPipeRpcBackendOptions) -> str:
 
 
 def exchange_addresses(
-    store: Any, info: WorkerInfo, address: PeerAddress, world_size: int
+    store: Any, info: WorkerInfo, address: PeerAddress, world_size: int, explicit_secret: bool
 ) -> tuple[list[WorkerInfo], dict[int, PeerAddress]]:
-    """Publish this worker, wait for all others, validate names; return everyone."""
+    """Publish this worker, wait for all others, validate names and that the secret is set
+    on every rank or on none; return everyone."""
     if int(store.add(f"distgrad/rank/{info.id}", 1)) > 1:
         raise RuntimeError(f"RPC rank {info.id} is used by more than one worker")
     record = {
@@ -118,6 +162,7 @@ def exchange_addresses(
         "unix": address.unix.encode("latin-1").hex() if address.unix else None,
         "host_id": address.host_id,
         "max_message_size": address.max_message_size,
+        "explicit_secret": explicit_secret,
     }
     store.set(f"distgrad/worker/{info.id}", json.dumps(record))
     keys = [f"distgrad/worker/{rank}" for rank in range(world_size)]
@@ -131,12 +176,17 @@ def exchange_addresses(
     workers: list[WorkerInfo] = []
     addresses: dict[int, PeerAddress] = {}
     seen: dict[str, int] = {}
-    for rank, raw in enumerate(store.multi_get(keys)):
-        rec = json.loads(bytes(raw))
+    records = [json.loads(bytes(raw)) for raw in store.multi_get(keys)]
+    # Every worker reads the same records and fails alike; they leave together, so that rank 0
+    # (which hosts the TCPStore) does not take the store away from readers.
+    explicit = {rank: bool(rec.get("explicit_secret")) for rank, rec in enumerate(records)}
+    mismatch = _check_secrets(explicit)
+    if mismatch is not None:
+        barrier(store, "distgrad/secrets-checked", world_size)
+        raise RuntimeError(mismatch)
+    for rank, rec in enumerate(records):
         name = str(rec["name"])
         if name in seen:
-            # Every worker read the same records and fails alike; leave together, so that rank
-            # 0 (which hosts the TCPStore) does not take the store away from readers.
             barrier(store, "distgrad/names-checked", world_size)
             raise RuntimeError(
                 f"RPC worker name {name} is not unique. Workers {seen[name]} and {rank} share "

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ._agent import RpcAgent
     from ._rref import RRef
 
-__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext"]
+__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext", "RemoteCreation"]
 
 _log = logging.getLogger("distgrad.rpc")
 
@@ -165,9 +165,39 @@ class OwnerValue:
 
 class _Collecting(threading.local):
     users: list[RRef[Any]] | None = None
+    #: the value a ``remote()`` request being served on this thread creates (see
+    #: :class:`RemoteCreation`); reset by :meth:`RRefContext.start_collecting`
+    creating: RemoteCreation | None = None
 
 
 _collecting = _Collecting()
+
+
+class RemoteCreation:
+    """The ids of the value a ``remote()`` call creates, as its request carries them.
+
+    They come first in the request, and unpickling them notes them on the serving thread, so a
+    request that fails before its function runs -- an argument that cannot be unpickled there,
+    an RRef argument whose owner never confirms it -- still gives its error to the value (see
+    :meth:`RRefContext.fail_creation`). Without that the value stayed unset: a ``to_here()``
+    already on its way waited out its timeout (for ever with ``timeout=0``) and then hid the
+    real error behind a timeout."""
+
+    __slots__ = ("fork_id", "rref_id")
+
+    def __init__(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
+        self.rref_id = rref_id
+        self.fork_id = fork_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_note_creation, (self.rref_id, self.fork_id))
+
+
+def _note_creation(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> RemoteCreation:
+    creation = RemoteCreation(rref_id, fork_id)
+    if _collecting.users is not None:  # unpickled as part of a request being served
+        _collecting.creating = creation
+    return creation
 
 
 class RRefContext:
@@ -339,6 +369,7 @@ class RRefContext:
         what :meth:`stop_collecting` needs to restore."""
         previous = _collecting.users
         _collecting.users = []
+        _collecting.creating = None
         return previous
 
     @staticmethod
@@ -353,6 +384,22 @@ class RRefContext:
         users = _collecting.users
         if users is not None:
             users.append(rref)
+
+    def fail_creation(self, error: BaseException) -> bool:
+        """The request served on this thread failed before its function ran. If it was a
+        ``remote()`` creation, ``error`` becomes the value's, as if the function had raised
+        it (the caller's fork is registered, so its user is confirmed and later deleted as
+        usual), and True is returned: the creation is then answered, not failed. Uses what
+        :meth:`start_collecting` began collecting on this thread."""
+        creation = _collecting.creating
+        _collecting.creating = None
+        if creation is None:
+            return False
+        value = self.get_or_create_owner(creation.rref_id)
+        if creation.fork_id != creation.rref_id:
+            self.add_fork(creation.rref_id, creation.fork_id)
+        value.set_error(error)
+        return True
 
     # -- shutdown --------------------------------------------------------------------------------
     def _wait_for(self, condition: Callable[[], bool], deadline: float) -> bool:
