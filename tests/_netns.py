@@ -115,6 +115,15 @@ class Hosts:
         self._procs.append(proc)
         return proc
 
+    def hosts_file(self, k: int, entries: Mapping[str, str]) -> None:
+        """Give host ``k`` its own ``/etc/hosts`` (``name -> address``): ``ip netns exec``
+        mounts ``/etc/netns/<name>/hosts`` over it for the processes it starts."""
+        directory = f"/etc/netns/{self.names[k]}"
+        os.makedirs(directory, exist_ok=True)
+        lines = ["127.0.0.1 localhost", *(f"{a} {n}" for n, a in entries.items())]
+        with open(f"{directory}/hosts", "w") as f:
+            f.write("\n".join(lines) + "\n")
+
     def partition(self, k: int) -> None:
         """Cut host ``k`` off from every other host (its bridge port goes down)."""
         _ip("-n", self.switch, "link", "set", self._port(k), "down")
@@ -133,6 +142,8 @@ class Hosts:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        for name in self.names:
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
         for name in [*self.names, self.switch]:
             for _ in range(3):
                 if _ip("netns", "del", name, check=False).returncode == 0:

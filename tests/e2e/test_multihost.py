@@ -34,8 +34,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run_group(hosts: Hosts, extra: list[str]) -> dict[str, object]:
-    master = f"{hosts.address(0)}:{PORT}"
+def _run_group(hosts: Hosts, extra: list[str], master_host: str | None = None) -> dict[str, object]:
+    master = f"{master_host or hosts.address(0)}:{PORT}"
     env = _env()
     procs = [
         hosts.popen(k, [sys.executable, str(WORKER), str(k), "3", master, *extra], env)
@@ -66,6 +66,18 @@ def test_three_hosts_over_tcp() -> None:
     """A chain across three hosts over TCP: exact gradients, RRefs, per-host listen addresses."""
     with Hosts(3) as hosts:
         _check(hosts, _run_group(hosts, []))
+
+
+def test_master_named_by_a_hostname_that_is_loopback_on_its_own_host() -> None:
+    """The rendezvous host is a name that host 0 resolves to 127.0.1.1 (Debian's entry for a
+    host's own name; torchrun hands the master node its own hostname) and the others resolve
+    to host 0's address: host 0's worker must still publish its reachable address, not
+    loopback, or nobody could call it."""
+    with Hosts(3) as hosts:
+        hosts.hosts_file(0, {"dgmaster": "127.0.1.1"})
+        for k in (1, 2):
+            hosts.hosts_file(k, {"dgmaster": hosts.address(0)})
+        _check(hosts, _run_group(hosts, [], master_host="dgmaster"))
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

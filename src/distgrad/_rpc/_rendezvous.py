@@ -7,11 +7,9 @@ distgrad puts in it is plain JSON and hex text -- never a pickle.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import secrets
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +20,7 @@ import torch.distributed as dist
 
 from .. import _config
 from .._transport._transport import PeerAddress
+from ._addresses import listen_host_for
 from ._options import TensorPipeRpcBackendOptions
 from ._worker_info import WorkerInfo
 
@@ -120,16 +119,9 @@ def _check_secrets(explicit: dict[int, bool]) -> str | None:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def listen_host(init_method: str, options: TensorPipeRpcBackendOptions) -> str:
     """The address to listen on for TCP: explicit option or ``$DISTGRAD_LISTEN_ADDR``, else
-    the local address that routes to the rendezvous master, else loopback."""
+    one that peers on other hosts can reach (``_addresses``)."""
     explicit = options.listen_addr or _config.env_str(_config.ENV_LISTEN_ADDR)
     if explicit:
         return explicit
@@ -138,14 +130,7 @@ def listen_host(init_method: str, options: TensorPipeRpcBackendOptions) -> str:
         master = os.environ.get("MASTER_ADDR")
     elif init_method.startswith("tcp://"):
         master = urlparse(init_method).hostname
-    if not master or _is_loopback(master):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(master), 9))  # no packet is sent
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
+    return listen_host_for(master)
 
 
 def exchange_addresses(
