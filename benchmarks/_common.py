@@ -317,6 +317,10 @@ class Placement:
     netns: tuple[str | None, str | None] = (None, None)
     master: str = "127.0.0.1"
     tls: tuple[str, str] | None = None
+    #: torch only: TensorPipe's channels and transports. Between namespaces of one machine
+    #: TensorPipe would pick its same-machine channels (CMA, shm); across real hosts it cannot.
+    torch_channels: tuple[str, ...] | None = None
+    torch_transports: tuple[str, ...] | None = None
 
 
 def _worker_main(
@@ -343,6 +347,10 @@ def _worker_main(
         extra: dict[str, Any] = {}
         if impl == "distgrad" and placement.tls is not None:
             extra = tls_options(*placement.tls)
+        if impl == "torch" and placement.torch_channels is not None:
+            extra["_channels"] = list(placement.torch_channels)
+        if impl == "torch" and placement.torch_transports is not None:
+            extra["_transports"] = list(placement.torch_transports)
         options = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://{placement.master}:{port}", rpc_timeout=120.0, **extra
         )

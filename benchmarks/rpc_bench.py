@@ -10,7 +10,8 @@ Run from the repository root::
 With ``--netns`` the caller and the callee run in two network namespaces joined by veth pairs
 to a bridge (``tests/_netns.py``): traffic crosses a real TCP path between "hosts" (no Unix
 sockets, no same-host memory reads), as between machines; TensorPipe is pinned to that
-interface. ``--tls`` adds mutual TLS to distgrad's connections (TensorPipe has no TLS: it runs
+interface and to what it uses between machines (its ``uv`` transport and ``basic`` channel:
+its CMA channel would otherwise read the peer's memory, as the namespaces share one kernel). ``--tls`` adds mutual TLS to distgrad's connections (TensorPipe has no TLS: it runs
 in plaintext beside it).
 
 Each implementation runs in its own freshly spawned 2-process group (caller ``worker0``,
@@ -536,7 +537,13 @@ def run_rounds(
                 check=True, capture_output=True, timeout=60,
             )  # fmt: skip
         placement = Placement(
-            netns=(hosts.names[0], hosts.names[1]), master=hosts.address(0), tls=tls
+            netns=(hosts.names[0], hosts.names[1]),
+            master=hosts.address(0),
+            tls=tls,
+            # what TensorPipe uses between machines: the namespaces share one kernel, and its
+            # CMA channel and shm transport would read the peer's memory directly
+            torch_channels=("basic",),
+            torch_transports=("uv",),
         )
         pinned = {"TP_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
         return _run_rounds(args, cfg, placement, pinned)
