@@ -11,8 +11,9 @@ With ``--netns`` the caller and the callee run in two network namespaces joined 
 to a bridge (``tests/_netns.py``): traffic crosses a real TCP path between "hosts" (no Unix
 sockets, no same-host memory reads), as between machines; TensorPipe is pinned to that
 interface and to what it uses between machines (its ``uv`` transport and ``basic`` channel:
-its CMA channel would otherwise read the peer's memory, as the namespaces share one kernel). ``--tls`` adds mutual TLS to distgrad's connections (TensorPipe has no TLS: it runs
-in plaintext beside it).
+its CMA channel would otherwise read the peer's memory, as the namespaces share one kernel).
+``--tls`` adds mutual TLS to distgrad's connections (TensorPipe has no TLS: it runs in
+plaintext beside it).
 
 Each implementation runs in its own freshly spawned 2-process group (caller ``worker0``,
 callee ``worker1``, rendezvous on ``tcp://127.0.0.1:<free port>``). The groups are
