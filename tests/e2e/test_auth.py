@@ -9,10 +9,12 @@ import hmac
 import os
 import pickle
 import shutil
+import signal
 import socket
 import ssl
 import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -258,6 +260,75 @@ def test_bad_clients_are_dropped_and_the_worker_keeps_serving(tmp_path: Path) ->
     assert after["protocol_errors"] - before["protocol_errors"] == 4 + memory, (before, after)
     assert list(after["dead_peers"]) == []
     assert sorted(p.name for p in marks.iterdir()) == ["authenticated"]
+
+
+# -- a local process flooding a worker's Unix socket (issue 14, F1) ----------------------------
+def fill_backlog(name: str) -> list[socket.socket]:
+    """Connect to the abstract Unix socket ``name`` (its owner not accepting) until its
+    backlog is full; return the connections, which say nothing."""
+    held: list[socket.socket] = []
+    while len(held) < 4096:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(name)
+        except BlockingIOError:  # EAGAIN: the backlog is full
+            sock.close()
+            return held
+        held.append(sock)
+    raise AssertionError("the backlog never filled")
+
+
+def flooded_first_connection(rank: int, world_size: int, where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rank == 1:
+        unix = rpc._get_current_rpc_agent().address.unix  # type: ignore[union-attr]
+        Path(where, "worker1").write_text(f"{os.getpid()} {unix.encode('latin-1').hex()}")
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while not Path(where, "worker1").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pid_text, name_hex = Path(where, "worker1").read_text().split()
+        pid, name = int(pid_text), bytes.fromhex(name_hex).decode("latin-1")
+        # worker1 is stalled (it accepts nothing) while a local process fills its backlog;
+        # then worker0 opens its first connection to it, and worker1 resumes 2 s later
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            flood = fill_backlog(name)
+            out["flood"] = len(flood)
+            resume = threading.Timer(2.0, os.kill, (pid, signal.SIGCONT))
+            resume.start()
+            try:
+                out["first"] = repr(rpc.rpc_sync("worker1", echo, (1,)))
+            except Exception as exc:  # allowed: the call may fail
+                out["first"] = f"{type(exc).__name__}: {exc}"
+            resume.join()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        out["dead_after_first"] = list(rpc._get_current_rpc_agent().statistics().dead_peers)
+        for sock in flood:  # the flood ends
+            sock.close()
+        time.sleep(0.5)
+        out["later"] = rpc.rpc_sync("worker1", echo, (2,))
+        out["dead"] = list(rpc._get_current_rpc_agent().statistics().dead_peers)
+    rpc.api._barrier(["worker0", "worker1"])
+    return out
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs Unix sockets")
+def test_a_flooded_unix_socket_does_not_condemn_its_worker(tmp_path: Path) -> None:
+    """A local process fills a stalled worker's Unix socket backlog while a peer opens its
+    first connection to it (connect() -> EAGAIN): the worker is not declared dead, the call
+    succeeds once the worker resumes (over TCP, its connection taking the handshake slot of a
+    silent flooding one), and so does a call after the flood."""
+    results = run_workers(flooded_first_connection, 2, timeout=60, kwargs={"where": str(tmp_path)})
+    out = results[0]
+    assert out["flood"] > 0
+    assert out["dead_after_first"] == [], out["first"]
+    assert out["first"] == "1"
+    assert out["later"] == 2
+    assert out["dead"] == []
 
 
 # -- different secrets -------------------------------------------------------------------------

@@ -106,6 +106,11 @@ async def _wait_io(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: 
             loop.remove_reader(fd)
 
 
+async def wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until ``sock`` has bytes to read (or EOF)."""
+    await _wait_io(loop, sock, write=False)
+
+
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     """Read exactly ``n`` bytes from a non-blocking (possibly TLS) socket."""
     buf = bytearray(n)

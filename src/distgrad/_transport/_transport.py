@@ -9,7 +9,9 @@ connection is TCP.
 
 A connection that breaks without the peer's goodbye marks the peer dead: the owner is told
 (so it fails what was waiting on that connection) and every later send to that peer fails at
-once. Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed. A
+once. So does a refused connect (nothing listens there); any other connect error (a backlog
+filled by a flooding local process, a timeout) fails only the call that was connecting.
+Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed. A
 connection closed for a protocol error (a malformed or oversized frame) is dropped alone: the
 calls waiting on it fail, but the peer is not condemned.
 """
@@ -33,7 +35,12 @@ from .._errors import HandshakeError, PeerFailureError, ProtocolError, RpcShutdo
 from .._wire._frames import HEADER, Frame, Kind, encode_frame
 from .._wire._pickler import allocate_buffer
 from ._connection import Connection, Piece
-from ._handshake import client_handshake, server_handshake, tls_server_handshake
+from ._handshake import (
+    client_handshake,
+    server_handshake,
+    tls_server_handshake,
+    wait_readable,
+)
 from ._io import IoThread
 
 __all__ = ["PeerAddress", "Transport", "TransportConfig", "TransportStatistics", "host_identity"]
@@ -41,12 +48,19 @@ __all__ = ["PeerAddress", "Transport", "TransportConfig", "TransportStatistics",
 _log = logging.getLogger("distgrad.transport")
 _MAX_PENDING_HANDSHAKES = 128
 _SOCKET_BUFFER = 4 * 1024 * 1024
-# Connect errors that say nothing about the peer being gone (a refused or unreachable peer is
-# gone: after rendezvous every worker listens); retried after these pauses, then fatal.
+# The one connect error that proves a peer gone: a refusal (nothing listens at its address;
+# after the rendezvous every worker listens until it shuts down). Anything else -- a full
+# accept backlog (EAGAIN on a Unix socket, which a flooding local process can cause), a
+# timeout, an unreachable network -- fails the call that was connecting, never the peer.
+_REFUSED = frozenset({errno.ECONNREFUSED})
+# Connect errors that say nothing about the peer; retried after these pauses.
 _TRANSIENT_CONNECT_ERRORS = frozenset(
     {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
 )
 _CONNECT_RETRY_DELAYS = (0.05, 0.2, 0.5)
+# Connections accepted per wake-up of the I/O loop at most (the listen backlog): enough to
+# drain a full backlog, so a flood does not keep it full for the peers behind it.
+_ACCEPTS_PER_WAKEUP = 512
 
 
 def host_identity() -> str:
@@ -178,6 +192,10 @@ class Transport:
         self._dead: dict[int, PeerFailureError] = {}
         self._listeners: list[socket.socket] = []
         self._handshakes: set[asyncio.Task[None]] = set()
+        # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
+        # ended to make room for a connection that had (see _on_accept)
+        self._silent: dict[asyncio.Task[None], socket.socket] = {}
+        self._shed: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
         self._closing = False
         self._accepted = self._opened = self._failed_handshakes = self._protocol_errors = 0
@@ -246,8 +264,18 @@ class Transport:
             self._out[rank] = conn
             return conn
 
-    def _dial(self, addr: PeerAddress, local: bool) -> socket.socket:
-        """Connect, retrying errors that say nothing about the peer being gone."""
+    def _dial(self, addr: PeerAddress, local: bool) -> tuple[socket.socket, bool]:
+        """Connect, retrying errors that say nothing about the peer being gone; return the
+        socket and whether it is the Unix one. A Unix socket whose backlog stays full (a local
+        process flooding it, or a peer slow to accept) is given up for TCP, which has its own."""
+        try:
+            return self._dial_retrying(addr, local), local
+        except OSError as exc:
+            if not local or exc.errno not in _TRANSIENT_CONNECT_ERRORS:
+                raise
+        return self._dial_retrying(addr, False), False
+
+    def _dial_retrying(self, addr: PeerAddress, local: bool) -> socket.socket:
         for delay in _CONNECT_RETRY_DELAYS:
             try:
                 return self._dial_once(addr, local)
@@ -281,10 +309,17 @@ class Transport:
         cfg = self.config
         local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
         try:
-            sock = self._dial(addr, local)
+            sock, local = self._dial(addr, local)
         except OSError as exc:
-            error = PeerFailureError(f"could not connect to {label}: {exc}", label)
-            self._dead.setdefault(rank, error)
+            if exc.errno in _REFUSED:  # proof: nothing listens there any more
+                error = PeerFailureError(f"could not connect to {label}: {exc}", label)
+                self._dead.setdefault(rank, error)
+            else:  # says nothing about the peer: this call fails, the next one tries again
+                error = PeerFailureError(
+                    f"could not connect to {label}: {exc} (not presumed dead: a later call "
+                    "connects again)",
+                    label,
+                )
             raise error from exc
         try:
             _tune(sock)
@@ -306,7 +341,7 @@ class Transport:
 
     # -- incoming --------------------------------------------------------------------------------
     def _on_accept(self, listener: socket.socket) -> None:
-        for _ in range(16):
+        for _ in range(_ACCEPTS_PER_WAKEUP):
             try:
                 sock, _addr = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -314,31 +349,67 @@ class Transport:
             except OSError as exc:
                 _log.warning("accept failed: %s", exc)
                 return
-            if self._closing or len(self._handshakes) >= _MAX_PENDING_HANDSHAKES:
+            if self._closing:
                 sock.close()
                 continue
             sock.setblocking(False)
+            # Every handshake slot taken: a connection whose first bytes have arrived takes the
+            # slot of the oldest one that has said nothing yet (so a flood of silent
+            # connections cannot keep peers out); any other is closed at once.
+            if len(self._handshakes) >= _MAX_PENDING_HANDSHAKES and not (
+                _has_spoken(sock) and self._shed_silent()
+            ):
+                sock.close()
+                continue
             is_tcp = sock.family != getattr(socket, "AF_UNIX", None)
             if is_tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _tune(sock)
             task = self._io.loop.create_task(self._handshake(sock, is_tcp))
             self._handshakes.add(task)
+            self._silent[task] = sock
             task.add_done_callback(self._handshakes.discard)
+
+    def _shed_silent(self) -> bool:
+        """End the oldest pending handshake whose peer has sent nothing (its task sees EOF
+        and drops it quietly); False if there is none."""
+        while self._silent:
+            task, sock = next(iter(self._silent.items()))
+            del self._silent[task]
+            if not _has_spoken(sock):  # (a task not started yet may have bytes waiting)
+                self._shed.add(task)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return True
+        return False
 
     async def _handshake(self, sock: socket.socket, is_tcp: bool) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
         try:
             peer = _peer_name(sock)
+            started = loop.time()
+            try:  # the peer's first bytes: until then, a full table may shed this connection
+                await asyncio.wait_for(wait_readable(loop, sock), cfg.handshake_timeout)
+            finally:
+                self._silent.pop(task, None)
+            if task in self._shed:
+                self._shed.discard(task)
+                sock.close()
+                return
+            left = max(0.0, cfg.handshake_timeout - (loop.time() - started))
             if cfg.server_ssl is not None and is_tcp:
                 sock = cfg.server_ssl.wrap_socket(
                     sock, server_side=True, do_handshake_on_connect=False
                 )
-                await asyncio.wait_for(tls_server_handshake(loop, sock), cfg.handshake_timeout)
+                await asyncio.wait_for(tls_server_handshake(loop, sock), left)
+                left = cfg.handshake_timeout
             rank = await asyncio.wait_for(
-                server_handshake(loop, sock, cfg.secret, cfg.rank, cfg.world_size),
-                cfg.handshake_timeout,
+                server_handshake(loop, sock, cfg.secret, cfg.rank, cfg.world_size), left
             )
         except (HandshakeError, OSError, asyncio.TimeoutError) as exc:
             self._failed_handshakes += 1
@@ -463,6 +534,14 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
         except OSError:
             pass
+
+
+def _has_spoken(sock: socket.socket) -> bool:
+    """Whether bytes from the peer wait on the (non-blocking) socket."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except OSError:  # BlockingIOError: nothing yet
+        return False
 
 
 def _peer_name(sock: socket.socket) -> str:
