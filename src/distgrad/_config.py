@@ -29,6 +29,8 @@ ENV_OMP_THROTTLE = "DISTGRAD_OMP_THROTTLE"
 #: Set to "0" to send every tensor through the socket, never by direct memory read
 #: (see ``distgrad._transport._memory``).
 ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
+#: Set to "1" for fail-stop peers: a lost connection proves the peer dead (no reconnection).
+ENV_FAIL_STOP = "DISTGRAD_FAIL_STOP"
 
 #: Default bound on one message (pickle stream plus all tensor buffers), in bytes.
 DEFAULT_MAX_MESSAGE_SIZE: int = 16 * 1024**3

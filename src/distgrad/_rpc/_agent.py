@@ -146,6 +146,7 @@ class RpcAgent(FrameHandler):
             use_unix_sockets=_config.env_flag(_config.ENV_UNIX_SOCKETS, True),
             server_ssl=opts.server_ssl_context,
             client_ssl=opts.client_ssl_context,
+            fail_stop=opts.fail_stop or _config.env_flag(_config.ENV_FAIL_STOP, False),
         )
         self._io.start()
         self._io.call_soon(join_openmp_runtime)

@@ -66,8 +66,13 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         max_message_size: bound on one message in bytes, published to the peers: a message
             above this worker's or the receiver's bound fails its call before it is sent; a
             larger frame that arrives anyway drops the connection.
-        heartbeat_interval / peer_timeout: a peer silent for ``peer_timeout`` seconds is dead.
+        heartbeat_interval / peer_timeout: a peer silent for ``peer_timeout`` seconds is
+            *suspected*: what waits on it fails, a later call connects again
+            (docs/failure-semantics.md).
         listen_addr: address to listen on for TCP (default: derived from the rendezvous).
+        fail_stop: a peer whose connection is lost, or that is silent for ``peer_timeout``,
+            is dead for the rest of the group's life (no reconnection): distgrad's behaviour
+            before suspicion. Also ``DISTGRAD_FAIL_STOP=1``.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         heartbeat_interval: float = _config.DEFAULT_HEARTBEAT_INTERVAL,
         peer_timeout: float = _config.DEFAULT_PEER_TIMEOUT,
         listen_addr: str | None = None,
+        fail_stop: bool = False,
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if num_worker_threads < 1:
@@ -111,6 +117,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.heartbeat_interval = heartbeat_interval
         self.peer_timeout = peer_timeout
         self.listen_addr = listen_addr
+        self.fail_stop = fail_stop
         for to, device_map in (device_maps or {}).items():
             self.set_device_map(to, device_map)
         if devices:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import select
 import socket
 import ssl
 import struct
@@ -417,6 +418,15 @@ class Connection:
                     self.peer_label,
                 )
             )
+
+    def readable_now(self) -> bool:
+        """True if the kernel holds data from the peer not read yet (this process was slow to
+        read it: the peer is not silent)."""
+        try:
+            readable, _, _ = select.select([self._sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
 
     def broken_error(self) -> PeerFailureError:
         """The error for a send on (or a wait for) this closed connection."""

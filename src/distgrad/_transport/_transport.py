@@ -7,13 +7,20 @@ back on the connection their request went out on. Every connection starts with t
 authenticated handshake (``_handshake``), under TLS first when TLS is configured and the
 connection is TCP.
 
-A connection that breaks without the peer's goodbye marks the peer dead: the owner is told
-(so it fails what was waiting on that connection) and every later send to that peer fails at
-once. So does a refused connect (nothing listens there); any other connect error (a backlog
-filled by a flooding local process, a timeout) fails only the call that was connecting.
-Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed. A
-connection closed for a protocol error (a malformed or oversized frame) is dropped alone: the
-calls waiting on it fail, but the peer is not condemned.
+A peer is *suspected*, not condemned, when a connection to it breaks without its goodbye or
+stays silent past ``peer_timeout``: the owner is told (so it fails what was waiting on that
+connection, and the backward passes waiting on the peer), but the next send to it connects
+again, with a fresh handshake, and succeeds if the peer is back (a frozen process, a healed
+partition). A peer is *dead* only on proof: a refused connect (nothing listens there), its
+goodbye (it shut down), or (``fail_stop``) any loss at all, torch's and distgrad's old
+behaviour; every later send to a dead peer fails at once. A connect that fails without proof
+(a timeout, a backlog filled by a flooding local process) fails that call only, and calls in
+the next moment (``_RETRY_AFTER``) fail at once with the same error rather than each waiting
+for a connect to an unreachable host. Before a connection is judged silent, its socket is
+peeked: data waiting there means this process, not the peer, was not running; and a heartbeat
+tick that comes late (this process stalled: SIGSTOP, a long GC or GIL hold) judges no one.
+A connection closed for a protocol error (a malformed or oversized frame) is dropped alone:
+the calls waiting on it fail, but the peer is not even suspected.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ _SOCKET_BUFFER = 4 * 1024 * 1024
 # accept backlog (EAGAIN on a Unix socket, which a flooding local process can cause), a
 # timeout, an unreachable network -- fails the call that was connecting, never the peer.
 _REFUSED = frozenset({errno.ECONNREFUSED})
+# After a connect to a suspected peer failed without proof, calls within this long fail at once
+_RETRY_AFTER = 0.5
+# A heartbeat tick later than this (and than one interval) means this process stalled
+_STALL = 0.5
 # Connect errors that say nothing about the peer; retried after these pauses.
 _TRANSIENT_CONNECT_ERRORS = frozenset(
     {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
@@ -102,6 +113,8 @@ class TransportConfig:
     use_unix_sockets: bool = True
     server_ssl: ssl.SSLContext | None = None
     client_ssl: ssl.SSLContext | None = None
+    #: any lost connection proves the peer dead (no suspicion, no reconnection)
+    fail_stop: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +203,11 @@ class Transport:
         self._connect_locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._dead: dict[int, PeerFailureError] = {}
+        #: peers whose connection was lost without proof of death (rank -> the error)
+        self._suspected: dict[int, PeerFailureError] = {}
+        #: a failed reconnect to a suspected peer: (until when calls fail at once, the error)
+        self._unreachable: dict[int, tuple[float, PeerFailureError]] = {}
+        self._beat_due = 0.0  # when the current heartbeat tick was scheduled to run
         self._listeners: list[socket.socket] = []
         self._handshakes: set[asyncio.Task[None]] = set()
         # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
@@ -224,6 +242,7 @@ class Transport:
         loop = asyncio.get_running_loop()
         for listener in self._listeners:
             loop.add_reader(listener.fileno(), self._on_accept, listener)
+        self._beat_due = time.monotonic() + self.config.heartbeat_interval
         self._heartbeat = loop.call_later(self.config.heartbeat_interval, self._beat)
 
     def set_peers(self, peers: dict[int, PeerAddress]) -> None:
@@ -241,11 +260,19 @@ class Transport:
         """True once ``rank`` is known to be dead (every later send to it fails)."""
         return rank in self._dead
 
+    def is_suspected(self, rank: int) -> bool:
+        """True while ``rank`` is suspected: its last connection was lost without proof."""
+        return rank in self._suspected
+
     def check_alive(self, rank: int) -> None:
-        """Raise the peer's failure if it is known to be dead."""
+        """Raise the peer's failure if it is known to be dead, or if a reconnect to it failed a
+        moment ago."""
         dead = self._dead.get(rank)
         if dead is not None:
             raise PeerFailureError(str(dead), dead.peer)
+        unreachable = self._unreachable.get(rank)
+        if unreachable is not None and time.monotonic() < unreachable[0]:
+            raise PeerFailureError(str(unreachable[1]), unreachable[1].peer)
 
     def _connect(self, rank: int) -> Connection | LoopbackConnection:
         with self._locks_guard:
@@ -264,29 +291,28 @@ class Transport:
             self._out[rank] = conn
             return conn
 
-    def _dial(self, addr: PeerAddress, local: bool) -> tuple[socket.socket, bool]:
+    def _dial(self, addr: PeerAddress, local: bool, timeout: float) -> tuple[socket.socket, bool]:
         """Connect, retrying errors that say nothing about the peer being gone; return the
         socket and whether it is the Unix one. A Unix socket whose backlog stays full (a local
         process flooding it, or a peer slow to accept) is given up for TCP, which has its own."""
         try:
-            return self._dial_retrying(addr, local), local
+            return self._dial_retrying(addr, local, timeout), local
         except OSError as exc:
             if not local or exc.errno not in _TRANSIENT_CONNECT_ERRORS:
                 raise
-        return self._dial_retrying(addr, False), False
+        return self._dial_retrying(addr, False, timeout), False
 
-    def _dial_retrying(self, addr: PeerAddress, local: bool) -> socket.socket:
+    def _dial_retrying(self, addr: PeerAddress, local: bool, timeout: float) -> socket.socket:
         for delay in _CONNECT_RETRY_DELAYS:
             try:
-                return self._dial_once(addr, local)
+                return self._dial_once(addr, local, timeout)
             except OSError as exc:
                 if exc.errno not in _TRANSIENT_CONNECT_ERRORS:
                     raise
                 time.sleep(delay)  # e.g. a full accept backlog
-        return self._dial_once(addr, local)
+        return self._dial_once(addr, local, timeout)
 
-    def _dial_once(self, addr: PeerAddress, local: bool) -> socket.socket:
-        timeout = self.config.connect_timeout
+    def _dial_once(self, addr: PeerAddress, local: bool, timeout: float) -> socket.socket:
         if local:
             assert addr.unix is not None
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -308,8 +334,16 @@ class Transport:
             raise PeerFailureError(f"no address known for {label}", label)
         cfg = self.config
         local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
+        # a suspected peer may be frozen or cut off: do not wait longer than its silence took
+        suspected = rank in self._suspected
+        connect_timeout = (
+            min(cfg.connect_timeout, cfg.peer_timeout) if suspected else (cfg.connect_timeout)
+        )
+        handshake_timeout = (
+            min(cfg.handshake_timeout, cfg.peer_timeout) if suspected else (cfg.handshake_timeout)
+        )
         try:
-            sock, local = self._dial(addr, local)
+            sock, local = self._dial(addr, local, connect_timeout)
         except OSError as exc:
             if exc.errno in _REFUSED:  # proof: nothing listens there any more
                 error = PeerFailureError(f"could not connect to {label}: {exc}", label)
@@ -320,19 +354,26 @@ class Transport:
                     "connects again)",
                     label,
                 )
+                if rank in self._suspected:
+                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, error)
             raise error from exc
         try:
             _tune(sock)
             if cfg.client_ssl is not None and not local:
                 sock = cfg.client_ssl.wrap_socket(sock, server_hostname=addr.host)
-            sock.settimeout(cfg.handshake_timeout)
+            sock.settimeout(handshake_timeout)
             client_handshake(sock, cfg.secret, cfg.rank, rank)
             sock.setblocking(False)
         except (OSError, HandshakeError) as exc:
             sock.close()
             if isinstance(exc, HandshakeError):
                 raise HandshakeError(f"handshake with {label} failed: {exc}") from exc
-            raise PeerFailureError(f"handshake with {label} failed: {exc}", label) from exc
+            failure = PeerFailureError(f"handshake with {label} failed: {exc}", label)
+            if suspected:  # (a frozen peer: its kernel accepts, the process does not answer)
+                self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
+            raise failure from exc
+        self._suspected.pop(rank, None)  # back: it answered a fresh handshake
+        self._unreachable.pop(rank, None)
         conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
         self._conns.add(conn)
         self._opened += 1
@@ -448,23 +489,32 @@ class Transport:
             return
         failure = conn.broken_error()
         if not broken_protocol:
-            self._dead.setdefault(conn.peer, failure)
+            if conn.goodbye_received or self.config.fail_stop:
+                self._dead.setdefault(conn.peer, failure)  # it shut down: proof
+            else:
+                self._suspected[conn.peer] = failure
+        # (what waited on the peer fails either way; only the dead stay unreachable)
         self._handler.on_connection_lost(conn, failure, peer_dead=not broken_protocol)
 
     # -- heartbeats ------------------------------------------------------------------------------
     def _beat(self) -> None:
         cfg = self.config
         now = time.monotonic()
+        # A tick that runs late means this process did not run (stopped, a long GC or GIL
+        # hold): what the peers sent meanwhile waits unread in its sockets (libuv runs due
+        # timers before it polls), so this tick judges no one.
+        stalled = now - self._beat_due > max(cfg.heartbeat_interval, _STALL)
         heartbeat = encode_frame(Kind.HEARTBEAT, 0)
         for conn in list(self._conns):
             if conn.closed:
                 continue
             silent = now - conn.last_recv
-            if silent > cfg.peer_timeout:
+            if silent > cfg.peer_timeout and not stalled and not conn.readable_now():
                 conn.close(
                     PeerFailureError(
                         f"{conn.peer_label} sent nothing for {silent:.1f}s "
-                        f"(peer timeout {cfg.peer_timeout:g}s); it is presumed dead",
+                        f"(peer timeout {cfg.peer_timeout:g}s); it is suspected: what "
+                        "waited on it fails, a later call connects again",
                         conn.peer_label,
                     )
                 )
@@ -476,6 +526,7 @@ class Transport:
             except PeerFailureError:
                 pass
         if not self._closing:
+            self._beat_due = time.monotonic() + cfg.heartbeat_interval
             self._heartbeat = self._io.loop.call_later(cfg.heartbeat_interval, self._beat)
 
     # -- teardown --------------------------------------------------------------------------------
