@@ -4,12 +4,16 @@ Every error distgrad raises on its own account derives from :class:`DistgradErro
 ``RuntimeError`` so that code written for torch's RPC (``except RuntimeError``, ``pytest.raises(
 RuntimeError, match=...)``) keeps catching what it caught before. The branches follow causes:
 
-* :class:`RpcTimeoutError` -- a call ran past its deadline (message as torch's ``RPCErr:1:...``).
+* :class:`RpcTimeoutError` -- a call ran past its deadline (message as torch's ``RPCErr:1:...``);
+  also a ``TimeoutError``, so ``except TimeoutError`` catches it too.
 * :class:`PeerFailureError` -- the other side died or went away (broken, not closed by us).
 * :class:`RpcShutdownError` -- this worker's agent is shut down (closed by us).
 * :class:`ProtocolError` -- bytes from a socket broke the wire protocol; :class:`HandshakeError`
   and :class:`MessageTooLargeError` are its kinds. These never escape to user code: they drop
   one connection and are logged.
+
+The classes are re-exported by ``distgrad.rpc`` (``BackwardError`` by ``distgrad.autograd``),
+which rewrites their ``__module__`` so that tracebacks show the public name.
 
 Exceptions raised by user functions on a remote worker are re-raised on the caller with their
 original type (see ``distgrad._rpc._remote_error``), not wrapped in this tree.
@@ -22,8 +26,9 @@ class DistgradError(RuntimeError):
     """Base class of every error distgrad raises on its own account."""
 
 
-class RpcTimeoutError(DistgradError):
-    """An RPC did not complete within its timeout."""
+class RpcTimeoutError(DistgradError, TimeoutError):
+    """An RPC did not complete within its timeout: a ``RuntimeError`` (what torch raises and
+    its callers catch) and a ``TimeoutError``."""
 
 
 class PeerFailureError(DistgradError):

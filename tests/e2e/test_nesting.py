@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -152,3 +153,47 @@ def test_async_execution() -> None:
         options={"num_worker_threads": 1},
     )
     assert results == {0: "ok", 1: "served", 2: "served"}
+
+
+def add_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@rpc.functions.async_execution
+def chain_waiting_in_callbacks(peers: list[str], x: torch.Tensor) -> torch.futures.Future[Any]:
+    """A callback that waits on another call's future (``wait()``) and one that makes an
+    ``rpc_sync``: both block a callback thread until other calls complete."""
+    return (
+        rpc.rpc_async(peers[0], add_one, (x,))
+        .then(lambda done: rpc.rpc_async(peers[1], add_one, (done.wait(),)).wait())
+        .then(lambda done: rpc.rpc_sync(peers[2], add_one, (done.wait(),)))
+    )
+
+
+@rpc.functions.async_execution
+def fan_out_waiting_in_callbacks(peers: list[str], x: torch.Tensor) -> torch.futures.Future[Any]:
+    """A fan-out to every peer whose futures are combined by a callback that waits on each
+    of them in turn."""
+    futures = [rpc.rpc_async(peer, chain_waiting_in_callbacks, (peers, x)) for peer in peers]
+    return futures[0].then(lambda done: sum(f.wait() for f in futures))
+
+
+def callbacks_program(rank: int, world_size: int) -> str:
+    peers = [f"worker{(rank + i) % world_size}" for i in range(world_size)]
+    x = torch.zeros(2)
+    futures = [
+        rpc.rpc_async(peers[1 + i % 2], fan_out_waiting_in_callbacks, (peers, x)) for i in range(12)
+    ]
+    for future in futures:
+        assert torch.equal(future.wait(), x + 9)
+    return "ok"
+
+
+def test_callbacks_waiting_on_other_calls_cannot_take_every_callback_thread() -> None:
+    """On 3 workers with 2 worker threads (and so 2 callback threads) each, 12 concurrent
+    @async_execution fan-outs per worker whose ``then`` callbacks block in ``wait()`` on
+    other calls' futures and in ``rpc_sync`` all complete: a callback thread waiting frees
+    its slot, as a worker thread does (torch's agent, and distgrad's before, deadlocked once
+    the waiting callbacks outnumbered the callback threads)."""
+    results = run_workers(callbacks_program, 3, timeout=60, options={"num_worker_threads": 2})
+    assert results == {0: "ok", 1: "ok", 2: "ok"}

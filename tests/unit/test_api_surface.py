@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -370,3 +371,52 @@ def test_current_agent_before_init(call: Any) -> None:
 def test_is_available() -> None:
     """rpc.is_available() is True."""
     assert rpc.is_available() is True
+
+
+# -- the exception tree ------------------------------------------------------------------------
+PUBLIC_ERRORS = [
+    "DistgradError",
+    "HandshakeError",
+    "MessageTooLargeError",
+    "PeerFailureError",
+    "ProtocolError",
+    "RpcShutdownError",
+    "RpcTimeoutError",
+    "RemoteTraceback",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_ERRORS)
+def test_public_errors_show_their_public_module(name: str) -> None:
+    """Each exception class of distgrad.rpc reports ``distgrad.rpc`` as its module (what
+    tracebacks print), is reachable there under that name, and pickles by that reference."""
+    cls = getattr(rpc, name)
+    assert cls.__module__ == "distgrad.rpc"
+    assert f"distgrad.rpc.{name}" in "".join(traceback.format_exception_only(cls, cls("boom")))
+    assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def test_backward_error_shows_its_public_module() -> None:
+    """distgrad.autograd.BackwardError reports ``distgrad.autograd`` as its module."""
+    import distgrad.autograd
+
+    cls = distgrad.autograd.BackwardError
+    assert cls.__module__ == "distgrad.autograd"
+    assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def test_rpc_timeout_error_is_a_runtime_error_and_a_timeout_error() -> None:
+    """RpcTimeoutError is caught by ``except RuntimeError`` (torch's callers) and by ``except
+    TimeoutError``; its message and pickled copies are unchanged."""
+    from distgrad._errors import rpc_timeout_message
+
+    error = rpc.RpcTimeoutError(rpc_timeout_message(1.5))
+    assert isinstance(error, RuntimeError) and isinstance(error, TimeoutError)
+    assert isinstance(error, rpc.DistgradError)
+    assert str(error) == (
+        "RPCErr:1:RPC ran for more than set timeout (1500 ms) and will now be marked with an error"
+    )
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is rpc.RpcTimeoutError and str(copy) == str(error)
+    with pytest.raises(TimeoutError, match="RPC ran for more than"):
+        raise error

@@ -193,8 +193,8 @@ def call_async(
             session.end_call()
         raise
     outer = type(inner)()  # the agent's future type (its wait() frees a pool slot)
-    if hasattr(inner, "_pool"):
-        outer._pool = inner._pool  # type: ignore[attr-defined]
+    if hasattr(inner, "_pools"):
+        outer._pools = inner._pools  # type: ignore[attr-defined]
 
     def done(completed: torch.futures.Future[Any]) -> None:
         t3 = time.time_ns()

@@ -117,6 +117,7 @@ class RpcAgent(FrameHandler):
         self._ticking = False
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads)
+        self._pools = (self._workers, self._callbacks)
         self._running = False
         self._stopped = False
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
@@ -302,9 +303,8 @@ class RpcAgent(FrameHandler):
         cid, call = self._send(dst, (func, args, kwargs), timeout, None, internal, force)
         lock = call.lock
         assert lock is not None
-        pool = self._workers
-        member = pool.is_member()
-        if member:  # a worker thread waiting here frees its slot meanwhile
+        pool = self._member_pool()
+        if pool is not None:  # a pool thread waiting here frees its slot meanwhile
             pool.enter_blocking()
         try:
             if call.timeout > 0:
@@ -316,7 +316,7 @@ class RpcAgent(FrameHandler):
             else:
                 lock.acquire()
         finally:
-            if member:
+            if pool is not None:
                 pool.exit_blocking()
         return self._result(call)
 
@@ -337,7 +337,7 @@ class RpcAgent(FrameHandler):
                 self.call_async, self.worker_info, dst, func, args, kwargs, timeout, force, internal
             )
         future = RpcFuture()
-        future._pool = self._workers
+        future._pools = self._pools
         cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
         if call.timeout > 0:
             self._arm_timeout(cid, call)
@@ -417,12 +417,19 @@ class RpcAgent(FrameHandler):
         attempt(attempts)
         return result
 
+    def _member_pool(self) -> ThreadPool | None:
+        """The agent's pool that the calling thread belongs to, if any."""
+        for pool in self._pools:
+            if pool.is_member():
+                return pool
+        return None
+
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
-        """A block that waits for other workers: on a worker thread, its pool slot is free
-        meanwhile (so nested calls cannot exhaust the pool)."""
-        pool = self._workers
-        if not pool.is_member():
+        """A block that waits for other workers: on a worker or callback thread, its pool slot
+        is free meanwhile (so nested calls cannot exhaust the pool)."""
+        pool = self._member_pool()
+        if pool is None:
             yield
             return
         pool.enter_blocking()

@@ -87,20 +87,24 @@ def set_future_error(future: torch.futures.Future[Any], error: BaseException) ->
 
 class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
     """The future ``rpc_async`` returns: a ``torch.futures.Future`` whose ``wait()``, on one of
-    the agent's worker threads, frees that thread's pool slot while it waits (as ``rpc_sync``
-    does), so nested calls that wait on futures cannot exhaust the pool either."""
+    the agent's threads (a worker thread, or a callback thread running a ``then`` callback),
+    frees that thread's pool slot while it waits (as ``rpc_sync`` does). So nested calls that
+    wait on futures cannot exhaust the worker pool, and callbacks that wait on other calls
+    cannot take every callback thread -- the threads that complete those calls."""
 
-    _pool: ThreadPool | None = None
+    #: the agent's pools (worker threads, callback threads)
+    _pools: tuple[ThreadPool, ...] = ()
 
     def wait(self) -> Any:
-        pool = self._pool
-        if pool is None or self.done() or not pool.is_member():
-            return super().wait()
-        pool.enter_blocking()
-        try:
-            return super().wait()
-        finally:
-            pool.exit_blocking()
+        if self._pools and not self.done():
+            for pool in self._pools:
+                if pool.is_member():
+                    pool.enter_blocking()
+                    try:
+                        return super().wait()
+                    finally:
+                        pool.exit_blocking()
+        return super().wait()
 
     def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future[Any]:
         """As ``torch.futures.Future.then``, but the chained future is one of these too (its
@@ -113,7 +117,7 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
         if not callable(callback):
             return super().then(callback)  # raises pybind's "then(): incompatible ..." error
         chained = RpcFuture()
-        chained._pool = self._pool
+        chained._pools = self._pools
 
         def run(done: torch.futures.Future[Any]) -> None:
             try:

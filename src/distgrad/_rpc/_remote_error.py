@@ -53,12 +53,27 @@ def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tupl
     sets ``verbatim_over_rpc`` (distgrad's own chained errors), keep their bare message.
     The type travels by reference in a nested pickle, so that a type the caller cannot import
     still leaves the message readable (it then arrives as RuntimeError).
+
+    Never raises: an exception whose ``repr()``/``str()`` raises is reported as a
+    RuntimeError naming its type and that failure (as torch's reports it), since a payload
+    that cannot be built would leave the caller waiting for an answer that never comes.
     """
-    tb = _traceback_text(exc)
-    verbatim = builtin or getattr(exc, "verbatim_over_rpc", False)
-    message = str(exc) if verbatim else f"On {where}:\n{exc!r}\n{tb}"
     try:
-        pickled_type = pickle.dumps(type(exc), protocol=5)
+        tb = _traceback_text(exc)
+    except Exception as format_error:
+        tb = f"<the traceback could not be formatted: {format_error!r}>\n"
+    exc_type: type[BaseException] = type(exc)
+    verbatim = builtin or getattr(exc, "verbatim_over_rpc", False)
+    try:
+        message = str(exc) if verbatim else f"On {where}:\n{exc!r}\n{tb}"
+    except Exception as text_error:
+        exc_type = RuntimeError
+        message = (
+            f"On {where}:\n{type(exc).__qualname__} (its {'str' if verbatim else 'repr'}() "
+            f"raised {type(text_error).__name__}: {text_error})\n{tb}"
+        )
+    try:
+        pickled_type = pickle.dumps(exc_type, protocol=5)
     except Exception:
         pickled_type = pickle.dumps(RuntimeError, protocol=5)
     return message, tb, pickled_type

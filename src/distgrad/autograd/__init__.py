@@ -91,3 +91,4 @@ if _agent is not None:  # imported after init_rpc
     _engine.install()
 
 context.__module__ = __name__
+BackwardError.__module__ = __name__  # tracebacks show distgrad.autograd.BackwardError

@@ -103,6 +103,13 @@ def is_available() -> bool:
 
 # public objects report the public module in reprs and tracebacks
 for _name in (
+    "DistgradError",
+    "HandshakeError",
+    "MessageTooLargeError",
+    "PeerFailureError",
+    "ProtocolError",
+    "RpcShutdownError",
+    "RpcTimeoutError",
     "WorkerInfo",
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
