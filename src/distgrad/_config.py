@@ -1,4 +1,9 @@
-"""Every constant and environment variable distgrad reads, in one place.
+"""distgrad's defaults, tuning thresholds and environment variables, in one place.
+
+Not here (docs/design.md, "Layers"): constants that define the wire protocol (frame kinds and
+limits in ``_wire._frames``, the handshake's version), constants private to one mechanism,
+and torchrun's variables (``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``), which torch's
+``env://`` rendezvous reads.
 
 Timeouts follow torch's convention: seconds as floats, ``-1.0`` means "use the current
 default", ``0`` means "no timeout".

@@ -9,8 +9,12 @@ RuntimeError, match=...)``) keeps catching what it caught before. The branches f
 * :class:`PeerFailureError` -- the other side died or went away (broken, not closed by us).
 * :class:`RpcShutdownError` -- this worker's agent is shut down (closed by us).
 * :class:`ProtocolError` -- bytes from a socket broke the wire protocol; :class:`HandshakeError`
-  and :class:`MessageTooLargeError` are its kinds. These never escape to user code: they drop
-  one connection and are logged.
+  and :class:`MessageTooLargeError` are its kinds. A malformed frame from a connected peer stays
+  in the transport: it drops that one connection and is logged, and the calls waiting on the
+  connection fail with :class:`PeerFailureError`. Two kinds reach the caller: a
+  :class:`MessageTooLargeError` when a request or response is above the sender's or the
+  receiver's ``max_message_size`` (refused before it is sent), and a :class:`HandshakeError`
+  when the connection a call needs fails the authenticated handshake.
 
 The classes are re-exported by ``distgrad.rpc`` (``BackwardError`` by ``distgrad.autograd``),
 which rewrites their ``__module__`` so that tracebacks show the public name.

@@ -49,6 +49,36 @@ def stage(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x @ w)
 
 
+def echo(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _own_ops(rank: int) -> dict[str, list[str]]:
+    """The local ``aten::`` events of calls that only send and receive tensors (plain, requiring
+    grad, a transposed view; sync, async, inside a distributed autograd context), under the
+    legacy and the Kineto profiler: the program itself runs no operator there."""
+    import distgrad.autograd as dist_autograd
+
+    xs = (torch.randn(3, 3), torch.randn(3, 3, requires_grad=True), torch.randn(4, 3).t())
+    found: dict[str, list[str]] = {}
+    profilers = {
+        "legacy": torch.autograd.profiler.profile,
+        "kineto": lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
+    }
+    for name, make in profilers.items():
+        with make() as prof:
+            for t in xs:
+                rpc.rpc_sync("worker1", echo, (t,))
+            rpc.rpc_async("worker2", echo, (xs[0],)).wait()
+            with dist_autograd.context():
+                rpc.rpc_sync("worker1", echo, (xs[1],))
+        events = prof.function_events if name == "legacy" else prof.events()
+        found[name] = sorted(
+            {n for n, _, remote in _names(events) if not remote and n.startswith("aten::")}
+        )
+    return found
+
+
 def _names(events: Any) -> Names:
     return [(e.name, int(e.node_id), bool(e.is_remote)) for e in events]
 
@@ -128,6 +158,7 @@ def _scenarios(rank: int, world_size: int, trace_path: str) -> dict[str, Any]:
         loss = rpc.rpc_sync("worker2", torch.sum, (y * 2,))
         dist_autograd.backward(ctx, [loss])
         out["grads"] = len(dist_autograd.get_gradients(ctx))
+    out["own_ops"] = _own_ops(rank)
     step.export_chrome_trace(trace_path)
     out["step"] = _names(step.events())
     out["offsets"] = dprof.clock_offsets()
@@ -291,3 +322,13 @@ def test_clock_offsets_are_estimated(results: dict[str, Any]) -> None:
     assert set(offsets) == {1, 2}
     for offset, rtt in offsets.values():
         assert abs(offset) <= rtt / 2 + 1_000_000
+
+
+@pytest.mark.parametrize("profiler", ["legacy", "kineto"])
+def test_distgrad_serialisation_stays_out_of_the_profile(
+    results: dict[str, Any], profiler: str
+) -> None:
+    """Sending and receiving tensors records no operator in the caller's profile (no
+    ``aten::detach``, ``aten::to``, ``aten::resolve_conj``, ``aten::resolve_neg`` per tensor
+    pickled, no ``aten::lift_fresh`` per tensor unpickled), as with torch's RPC."""
+    assert results["own_ops"][profiler] == []

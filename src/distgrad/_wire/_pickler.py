@@ -31,7 +31,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy
 import torch
@@ -376,12 +376,46 @@ class Encoded:
     flags: int
 
 
+_T = TypeVar("_T")
+_autograd: Any = torch.autograd
+_profiler_enabled: Callable[[], bool] = _autograd._profiler_enabled
+_enable_record_function: Callable[[bool], None] = _autograd._enable_record_function
+
+
+class _Unrecorded(threading.local):
+    depth = 0
+
+
+_unrecorded_state = _Unrecorded()
+
+
+def _unrecorded(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with torch's RecordFunction off on this thread (it is thread-local).
+
+    Used only while torch's profiler is on: pickling a tensor calls ``Tensor.numpy()``, which
+    alone records ``aten::detach``, ``aten::to``, ``aten::resolve_conj`` and
+    ``aten::resolve_neg``, and unpickling one records ``aten::lift_fresh`` -- distgrad's own
+    work, which must not show in the user's profile as if the program had done it (torch's
+    RPC pickles in C++ and shows none of it).
+    """
+    state = _unrecorded_state
+    if state.depth:
+        return fn(*args)
+    state.depth = 1
+    _enable_record_function(False)
+    try:
+        return fn(*args)
+    finally:
+        _enable_record_function(True)
+        state.depth = 0
+
+
 def encode(
     obj: Any,
     make_ext: Callable[[list[torch.Tensor]], Any] | None = None,
     device_check: DeviceCheck | None = None,
 ) -> Encoded:
-    """Pickle ``obj`` for the wire.
+    """Pickle ``obj`` for the wire (kept out of torch's profiler: :func:`_unrecorded`).
 
     With ``make_ext``, tensors are collected into a table while ``obj`` is pickled;
     ``make_ext(tensors)`` then returns the message's extension object (e.g. autograd metadata,
@@ -392,6 +426,16 @@ def encode(
     ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g. a
     CPU copy) or raises.
     """
+    if _profiler_enabled():
+        return _unrecorded(_encode, obj, make_ext, device_check)
+    return _encode(obj, make_ext, device_check)
+
+
+def _encode(
+    obj: Any,
+    make_ext: Callable[[list[torch.Tensor]], Any] | None,
+    device_check: DeviceCheck | None,
+) -> Encoded:
     cache = _cached
     if make_ext is None:
         return _encode_inline(obj, cache, device_check)
@@ -484,8 +528,20 @@ def decode(
 
     ``on_table(ext, tensors)`` (if given) sees the received tensors before the payload is
     built and returns the tensors the payload should contain instead (autograd substitutes
-    tensors attached to its recv function here).
+    tensors attached to its recv function here). Kept out of torch's profiler, as
+    :func:`encode`.
     """
+    if _profiler_enabled():
+        return _unrecorded(_decode, meta, buffers, flags, on_table)
+    return _decode(meta, buffers, flags, on_table)
+
+
+def _decode(
+    meta: bytes | bytearray | memoryview,
+    buffers: Iterable[Any],
+    flags: int,
+    on_table: OnTable | None,
+) -> tuple[Any, Any]:
     if not flags & HAS_TABLE:
         return None, pickle.loads(meta, buffers=buffers)
     # two streams, two unpicklers (each stream has its own memo), one buffer sequence
