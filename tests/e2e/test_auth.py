@@ -26,6 +26,7 @@ import distgrad.rpc as rpc
 from distgrad._transport._handshake import MAGIC, PROTOCOL_VERSION, client_handshake
 from distgrad._transport._memory import MemoryProbe
 from distgrad._transport._memory import available as memory_reads_available
+from distgrad._transport._transport import _MAX_PENDING_HANDSHAKES
 from distgrad._wire._frames import (
     FLAG_BY_REFERENCE,
     HEADER,
@@ -331,6 +332,58 @@ def test_a_flooded_unix_socket_does_not_condemn_its_worker(tmp_path: Path) -> No
     assert out["dead"] == []
 
 
+# -- handshakes refused under load (issue 14, item 7) -------------------------------------------
+def occupy_handshake_slots(host: str, port: int) -> list[socket.socket]:
+    """Take every handshake slot of the worker at ``host:port`` with connections that sent
+    one byte of a HELLO and then stall (so they are not shed as silent ones)."""
+    held = []
+    for _ in range(_MAX_PENDING_HANDSHAKES):
+        sock = socket.create_connection((host, port), timeout=5)
+        sock.sendall(MAGIC[:1])
+        held.append(sock)
+    time.sleep(1.0)  # accepted (the worker's loop is idle otherwise)
+    return held
+
+
+def refused_handshakes(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rank == 0:
+        agent = rpc._get_current_rpc_agent()
+        peers = agent.transport._peers  # where worker1 and worker2 listen (not connected yet)
+        # worker2 refuses every handshake for longer than the retries last: the call fails
+        # with a HandshakeError that says why
+        held = occupy_handshake_slots(peers[2].host, peers[2].port)
+        try:
+            rpc.rpc_sync("worker2", echo, (1,))
+        except Exception as exc:
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+        for sock in held:
+            sock.close()
+        time.sleep(0.5)
+        out["after_refused"] = rpc.rpc_sync("worker2", echo, (2,))
+        # worker1 refuses handshakes for a moment only: the retries get through
+        held = occupy_handshake_slots(peers[1].host, peers[1].port)
+        release = threading.Timer(0.3, lambda: [sock.close() for sock in held])
+        release.start()
+        out["retried"] = rpc.rpc_sync("worker1", echo, (3,))
+        release.join()
+        out["dead"] = list(agent.statistics().dead_peers)
+    rpc.api._barrier([f"worker{r}" for r in range(world_size)])
+    return out
+
+
+def test_refused_handshakes_are_retried_then_explained() -> None:
+    """A worker that has no handshake slot free closes new connections: a peer's call retries
+    the handshake briefly (and succeeds if a slot frees meanwhile), else fails with a
+    HandshakeError that says the peer is refusing handshakes under load; nobody is condemned."""
+    out = run_workers(refused_handshakes, 3, timeout=60, env={"DISTGRAD_UNIX_SOCKETS": "0"})[0]
+    assert out["refused"].startswith("HandshakeError"), out["refused"]
+    assert "refusing handshakes under load" in out["refused"]
+    assert out["after_refused"] == 2
+    assert out["retried"] == 3
+    assert out["dead"] == []
+
+
 # -- different secrets -------------------------------------------------------------------------
 def split_brain(rank: int, world_size: int, port: int) -> dict[str, float] | str:
     init_group(rank, world_size, port, rpc_timeout=10)
@@ -465,3 +518,48 @@ def test_tls_between_workers(tmp_path: Path) -> None:
         kwargs={"cert": cert, "key": key},
     )
     assert results == {0: "ok", 1: "ok"}
+
+
+def tls_on_one_side(
+    rank: int, world_size: int, port: int, cert: str, key: str, where: str
+) -> dict[str, Any]:
+    options: dict[str, Any] = {"rpc_timeout": 20}
+    if rank == 0:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(cert, key)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.load_verify_locations(cert)
+        options.update(server_ssl_context=server, client_ssl_context=client)
+    init_group(rank, world_size, port, **options)
+    started = time.monotonic()
+    with pytest.raises(rpc.HandshakeError) as info:
+        rpc.rpc_sync(f"worker{1 - rank}", echo, (1,))
+    elapsed = time.monotonic() - started
+    Path(where, f"done{rank}").touch()  # they cannot talk: meet through files
+    deadline = time.monotonic() + 20
+    while not Path(where, f"done{1 - rank}").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rpc.shutdown(graceful=False)
+    return {"error": str(info.value), "elapsed": elapsed}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_on_one_side_only_is_named(tmp_path: Path) -> None:
+    """TLS contexts on one worker only (all traffic over TCP): calls in both directions fail at
+    once with a HandshakeError saying on which side TLS is configured, not with a reset."""
+    cert, key = self_signed(tmp_path)
+    results = run_workers(
+        tls_on_one_side,
+        2,
+        init=False,
+        timeout=60,
+        env={"DISTGRAD_UNIX_SOCKETS": "0"},
+        kwargs={"cert": cert, "key": key, "where": str(tmp_path)},
+    )
+    assert "TLS is configured on this worker but not on worker worker1" in results[0]["error"]
+    assert (
+        "TLS is configured on worker worker0 (rank 0) but not on this worker"
+        in (results[1]["error"])
+    )
+    assert all(r["elapsed"] < 5.0 for r in results.values()), results

@@ -148,6 +148,7 @@ def exchange_addresses(
         "host_id": address.host_id,
         "max_message_size": address.max_message_size,
         "explicit_secret": explicit_secret,
+        "tls": address.tls,
     }
     store.set(f"distgrad/worker/{info.id}", json.dumps(record))
     keys = [f"distgrad/worker/{rank}" for rank in range(world_size)]
@@ -186,6 +187,7 @@ def exchange_addresses(
             unix,
             str(rec["host_id"]),
             int(rec.get("max_message_size") or 0),
+            bool(rec.get("tls")),
         )
     return workers, addresses
 

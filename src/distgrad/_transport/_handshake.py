@@ -28,6 +28,7 @@ from .._errors import HandshakeError
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "PeerClosedHandshake",
     "client_handshake",
     "server_handshake",
 ]
@@ -38,6 +39,11 @@ _HELLO = struct.Struct("<4sHHI32s")
 _CHALLENGE = struct.Struct("<4sHHI32s32s")
 _PROOF_SIZE = 32
 _ACCEPT = b"\x01"
+
+
+class PeerClosedHandshake(HandshakeError):
+    """The peer closed the connection before the handshake was done (a worker under load
+    closes connections it has no handshake slot for; retried by the client)."""
 
 
 def _mac(secret: bytes, label: bytes, nonce_c: bytes, nonce_s: bytes, rc: int, rs: int) -> bytes:
@@ -62,7 +68,7 @@ def _recv_exact_blocking(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise HandshakeError("connection closed by the peer during the handshake")
+            raise PeerClosedHandshake("connection closed by the peer during the handshake")
         got += k
     return bytes(buf)
 

@@ -38,11 +38,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._errors import HandshakeError, PeerFailureError, ProtocolError, RpcShutdownError
+from .._errors import (
+    DistgradError,
+    HandshakeError,
+    PeerFailureError,
+    ProtocolError,
+    RpcShutdownError,
+)
 from .._wire._frames import HEADER, Frame, Kind, encode_frame
 from .._wire._pickler import allocate_buffer
 from ._connection import Connection, Piece
 from ._handshake import (
+    PeerClosedHandshake,
     client_handshake,
     server_handshake,
     tls_server_handshake,
@@ -69,6 +76,7 @@ _TRANSIENT_CONNECT_ERRORS = frozenset(
     {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
 )
 _CONNECT_RETRY_DELAYS = (0.05, 0.2, 0.5)
+_HANDSHAKE_RETRY_DELAYS = (0.1, 0.25, 0.5, 1.0)
 # Connections accepted per wake-up of the I/O loop at most (the listen backlog): enough to
 # drain a full backlog, so a flood does not keep it full for the peers behind it.
 _ACCEPTS_PER_WAKEUP = 512
@@ -98,6 +106,8 @@ class PeerAddress:
     host_id: str
     #: the largest message the worker accepts (0: not published)
     max_message_size: int = 0
+    #: whether its TCP connections use TLS
+    tls: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +246,14 @@ class Transport:
         for listener in self._listeners:
             listener.setblocking(False)
         self._io.run(self._start_listening())
-        return PeerAddress(host, port, unix_name, self.host_id, self.config.max_message_size)
+        return PeerAddress(
+            host,
+            port,
+            unix_name,
+            self.host_id,
+            self.config.max_message_size,
+            tls=self.config.server_ssl is not None,
+        )
 
     async def _start_listening(self) -> None:
         loop = asyncio.get_running_loop()
@@ -336,14 +353,54 @@ class Transport:
         local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
         # a suspected peer may be frozen or cut off: do not wait longer than its silence took
         suspected = rank in self._suspected
-        connect_timeout = (
-            min(cfg.connect_timeout, cfg.peer_timeout) if suspected else (cfg.connect_timeout)
-        )
-        handshake_timeout = (
-            min(cfg.handshake_timeout, cfg.peer_timeout) if suspected else (cfg.handshake_timeout)
-        )
+        connect_timeout = cfg.connect_timeout
+        handshake_timeout = cfg.handshake_timeout
+        if suspected:
+            connect_timeout = min(connect_timeout, cfg.peer_timeout)
+            handshake_timeout = min(handshake_timeout, cfg.peer_timeout)
+        # A handshake the peer cut short is retried after these pauses: under load (a flood, many
+        # peers connecting at once) a worker closes connections it has no handshake slot for.
+        tls_mismatch = (cfg.client_ssl is not None) != addr.tls
+        if tls_mismatch and not local:  # it would fail, and say less
+            raise HandshakeError(_tls_mismatch(label, cfg.client_ssl is not None))
+        for attempt, delay in enumerate((*_HANDSHAKE_RETRY_DELAYS, None), 1):
+            sock, tcp = self._dial_peer(rank, addr, local, label, connect_timeout)
+            if tcp and tls_mismatch:  # over TCP after all (a flooded Unix socket)
+                sock.close()
+                raise HandshakeError(_tls_mismatch(label, cfg.client_ssl is not None))
+            try:
+                _tune(sock)
+                if tcp and cfg.client_ssl is not None:
+                    sock = cfg.client_ssl.wrap_socket(sock, server_hostname=addr.host)
+                sock.settimeout(handshake_timeout)
+                client_handshake(sock, cfg.secret, cfg.rank, rank)
+                sock.setblocking(False)
+                break
+            except (OSError, HandshakeError) as exc:
+                sock.close()
+                cut_short = isinstance(exc, (PeerClosedHandshake, ConnectionError, ssl.SSLEOFError))
+                if cut_short and delay is not None:
+                    time.sleep(delay)
+                    continue
+                failure = _handshake_failure(label, exc, attempt if cut_short else 0)
+                if suspected and isinstance(failure, PeerFailureError):
+                    # (a frozen peer: its kernel accepts the connection, the process is silent)
+                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
+                raise failure from exc
+        self._suspected.pop(rank, None)  # back: it answered a fresh handshake
+        self._unreachable.pop(rank, None)
+        conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
+        self._conns.add(conn)
+        self._opened += 1
+        self._io.call_soon(conn.start)
+        return conn
+
+    def _dial_peer(
+        self, rank: int, addr: PeerAddress, local: bool, label: str, timeout: float
+    ) -> tuple[socket.socket, bool]:
+        """A connected socket to ``rank`` and whether it is TCP; a refusal condemns the peer."""
         try:
-            sock, local = self._dial(addr, local, connect_timeout)
+            sock, local = self._dial(addr, local, timeout)
         except OSError as exc:
             if exc.errno in _REFUSED:  # proof: nothing listens there any more
                 error = PeerFailureError(f"could not connect to {label}: {exc}", label)
@@ -357,28 +414,7 @@ class Transport:
                 if rank in self._suspected:
                     self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, error)
             raise error from exc
-        try:
-            _tune(sock)
-            if cfg.client_ssl is not None and not local:
-                sock = cfg.client_ssl.wrap_socket(sock, server_hostname=addr.host)
-            sock.settimeout(handshake_timeout)
-            client_handshake(sock, cfg.secret, cfg.rank, rank)
-            sock.setblocking(False)
-        except (OSError, HandshakeError) as exc:
-            sock.close()
-            if isinstance(exc, HandshakeError):
-                raise HandshakeError(f"handshake with {label} failed: {exc}") from exc
-            failure = PeerFailureError(f"handshake with {label} failed: {exc}", label)
-            if suspected:  # (a frozen peer: its kernel accepts, the process does not answer)
-                self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
-            raise failure from exc
-        self._suspected.pop(rank, None)  # back: it answered a fresh handshake
-        self._unreachable.pop(rank, None)
-        conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
-        self._conns.add(conn)
-        self._opened += 1
-        self._io.call_soon(conn.start)
-        return conn
+        return sock, not local
 
     # -- incoming --------------------------------------------------------------------------------
     def _on_accept(self, listener: socket.socket) -> None:
@@ -585,6 +621,42 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
         except OSError:
             pass
+
+
+def _tls_mismatch(label: str, tls_here: bool) -> str:
+    where, not_where = ("this worker", label) if tls_here else (label, "this worker")
+    return (
+        f"cannot connect to {label}: TLS is configured on {where} but not on {not_where} "
+        "(TensorPipeRpcBackendOptions(server_ssl_context=..., client_ssl_context=...) must be "
+        "set on every worker, or on none)"
+    )
+
+
+def _handshake_failure(label: str, exc: BaseException, attempts: int) -> DistgradError:
+    """The error of a handshake that failed for good. ``attempts``: how often the peer cut
+    it short (0: it failed otherwise)."""
+    if attempts:
+        return HandshakeError(
+            f"handshake with {label} failed: the peer closed the connection during the "
+            f"handshake, {attempts} times ({exc}). It is refusing handshakes under load (a "
+            "connection flood? many workers connecting at once?) or shutting down: retry the "
+            "call. (TLS configured on one side only, or a different cluster secret, would be "
+            "reported as such.)"
+        )
+    if isinstance(exc, HandshakeError):
+        return HandshakeError(f"handshake with {label} failed: {exc}")
+    if isinstance(exc, ssl.SSLError):
+        return HandshakeError(
+            f"TLS handshake with {label} failed: {exc} (check the TLS contexts: the CA, the "
+            "certificates, and that the server's certificate names the address it listens on)"
+        )
+    if isinstance(exc, TimeoutError):
+        return PeerFailureError(
+            f"handshake with {label} timed out: it did not answer within the handshake "
+            "timeout (stalled or overloaded?); not presumed dead: a later call connects again",
+            label,
+        )
+    return PeerFailureError(f"handshake with {label} failed: {exc}", label)
 
 
 def _has_spoken(sock: socket.socket) -> bool:
