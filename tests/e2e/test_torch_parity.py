@@ -108,6 +108,12 @@ def script_fails(x: torch.Tensor) -> torch.Tensor:
 
 
 @distgrad.rpc.functions.async_execution
+@torch.jit.script
+def async_script_add(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    return torch.jit.fork(script_add, x, 1)
+
+
+@distgrad.rpc.functions.async_execution
 def fan_out(peers: list[str], x: Any) -> Any:
     """Call ``plus`` on every peer, then add up their answers (item 11)."""
     rpc = _rpc()
@@ -223,6 +229,13 @@ def calls(world_size: int) -> dict[str, Outcome]:
     case("script_self", lambda: rpc.rpc_sync("worker0", script_add, (x, 5)).tolist())
     case("script_fails", lambda: rpc.rpc_sync(peer, script_fails, (x,)))
     case("script_bad_args", lambda: rpc.rpc_sync(peer, script_add, (x, "a")))
+    case("script_async_execution", lambda: rpc.rpc_sync(peer, async_script_add, (x,)).tolist())
+    autograd = torch.distributed.autograd if rpc is not distgrad.rpc else distgrad.autograd
+    with autograd.context() as context_id:
+        leaf = torch.tensor([1.0, 2.0], requires_grad=True)
+        out = rpc.rpc_sync(peer, script_add, (leaf * 3, 2))
+        autograd.backward(context_id, [(out * out).sum()])
+        record["script_gradient"] = {"value": autograd.get_gradients(context_id)[leaf].tolist()}
     return record
 
 
@@ -467,11 +480,21 @@ def test_async_execution_fan_out_completes(both: Records, case: str) -> None:
 
 # -- item 12: TorchScript functions -------------------------------------------------------------
 @pytest.mark.parametrize(
-    "case", ["script_sync", "script_kwargs", "script_async", "script_remote", "script_self"]
+    "case",
+    [
+        "script_sync",
+        "script_kwargs",
+        "script_async",
+        "script_remote",
+        "script_self",
+        "script_async_execution",
+        "script_gradient",
+    ],
 )
 def test_script_function_as_rpc_target(both: Records, case: str) -> None:
     """A ``torch.jit.script`` function is an RPC target (sent by qualified name): rpc_sync,
-    keyword arguments, rpc_async, remote and a call to self give torch's results."""
+    keyword arguments, rpc_async, remote, a call to self, under @async_execution, and in a
+    distributed autograd context (its gradient) give torch's results."""
     assert "value" in same(both, case)
 
 

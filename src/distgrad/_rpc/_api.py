@@ -32,6 +32,7 @@ from ._options import (
 )
 from ._remote import create_remote
 from ._rref import RRef
+from ._torchscript import as_rpc_target
 from ._worker_info import WorkerInfo, validate_worker_name
 
 __all__ = [
@@ -352,6 +353,7 @@ def rpc_sync(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
+    func = as_rpc_target(func)
     return agent.call_sync(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
@@ -370,6 +372,7 @@ def rpc_async(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
+    func = as_rpc_target(func)
     future = agent.call_async(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
@@ -401,6 +404,7 @@ def remote(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
+    func = as_rpc_target(func)
     return create_remote(
         agent,
         dst,

@@ -18,14 +18,43 @@ import torch
 
 from .._wire._pickler import register_reducer
 
-__all__ = ["ScriptFunction", "is_script_function"]
+__all__ = ["AsyncScriptFunction", "ScriptFunction", "as_rpc_target", "is_script_function"]
 
 ScriptFunction: Any = torch.jit.ScriptFunction
 _PREFIX = "__torch__."
 
 
+class AsyncScriptFunction:
+    """What travels for ``@async_execution`` over ``@torch.jit.script``: the ScriptFunction
+    (by its name), marked as returning a future. The decorator's wrapper cannot be pickled by
+    reference (``functools.wraps`` gives it the ScriptFunction's names), and torch's RPC
+    too sends the ScriptFunction itself with an "async" flag."""
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        self._wrapped_async_rpc_function = function
+        self.__qualname__ = str(function.qualified_name)  # names its profiling events
+
+    @property
+    def qualified_name(self) -> str:
+        return str(self.function.qualified_name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+def as_rpc_target(func: Any) -> Any:
+    """``func`` as it is sent: an ``@async_execution`` ScriptFunction becomes an
+    :class:`AsyncScriptFunction`; everything else is itself."""
+    wrapped = getattr(func, "_wrapped_async_rpc_function", None)
+    if isinstance(wrapped, ScriptFunction) and not isinstance(func, AsyncScriptFunction):
+        return AsyncScriptFunction(wrapped)
+    return func
+
+
 def is_script_function(func: object) -> bool:
-    return isinstance(func, ScriptFunction)
+    """True for a TorchScript function (also one marked ``@async_execution``)."""
+    return isinstance(func, (ScriptFunction, AsyncScriptFunction))
 
 
 def _compiled(qualified_name: str) -> Any:
