@@ -30,7 +30,6 @@ from ._rref_context import (
     GloballyUniqueId,
     OwnerValue,
     RRefContext,
-    _child_accept,
 )
 from ._worker_info import WorkerInfo
 
@@ -360,7 +359,7 @@ def _rebuild_rref(
         if parent == owner:  # sent to itself: the fork registered when pickling is not a user
             ctx.del_forks([(rref_id, fork_id)])
         else:  # no user holds this fork id; its parent may let go
-            ctx.control(parent, _child_accept, (fork_id,))
+            ctx.accept_child(parent, fork_id)
         return rref
     rref = RRef._new_user(ctx, rref_id, fork_id, agent.get_worker_info(owner))
     if parent == owner:  # the owner registered the fork before sending it
