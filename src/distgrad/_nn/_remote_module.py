@@ -169,13 +169,14 @@ class RemoteModule(nn.Module):
 
         rpc.init_rpc("worker0", rank=0, world_size=2)
         linear = RemoteModule("worker1/cpu", torch.nn.Linear, args=(20, 30))
-        out = linear(torch.randn(128, 20))             # runs on worker1, shape (128, 30)
+        out = linear(torch.randn(128, 20))  # runs on worker1, shape (128, 30)
         fut = linear.forward_async(torch.randn(128, 20))
         out2 = fut.wait()
         rpc.shutdown()
 
         # on worker 1
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
@@ -253,7 +254,8 @@ class RemoteModule(nn.Module):
             # defined on both workers, run on worker1 (the trainer):
             def train_with(model_rref):
                 model = RemoteModule.init_from_module_rref("worker0/cpu", model_rref)
-                return model(torch.randn(3, 4))        # runs on worker0
+                return model(torch.randn(3, 4))  # runs on worker0
+
 
             # on the parameter server, worker0: share its model with the trainer
             model_rref = rpc.RRef(torch.nn.Linear(4, 2))
@@ -365,6 +367,9 @@ class RemoteModule(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """Not supported for RemoteModule, as in torch: the parameters live on the owner.
+
+        Args:
+            recurse (bool): ignored.
 
         Raises:
             ValueError: always; use :meth:`remote_parameters`.

@@ -138,6 +138,7 @@ class DistributedOptimizer:
 
         # on worker 1
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 

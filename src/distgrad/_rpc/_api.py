@@ -136,12 +136,14 @@ def init_rpc(
         # on worker 0 (RANK=0)
         import torch
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker0", rank=0, world_size=2)
         print(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3)))  # tensor([4., 4.])
         rpc.shutdown()
 
         # on worker 1 (RANK=1)
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()  # serves worker0's calls until worker0 shuts down too
     """
@@ -332,8 +334,8 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
     Example:
         # On either of two workers:
-        me = rpc.get_worker_info()              # WorkerInfo(id=0, name=worker0) on worker0
-        peer = rpc.get_worker_info("worker1")   # WorkerInfo(id=1, name=worker1)
+        me = rpc.get_worker_info()  # WorkerInfo(id=0, name=worker0) on worker0
+        peer = rpc.get_worker_info("worker1")  # WorkerInfo(id=1, name=worker1)
         rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), peer.id))
     """
     return _agent().get_worker_info(worker_name)
@@ -401,12 +403,14 @@ def rpc_sync(
         # on worker 0
         import torch
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker0", rank=0, world_size=2)
         ret = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))  # tensor([4., 4.])
         rpc.shutdown()
 
         # on worker 1
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
     """
@@ -462,6 +466,7 @@ def rpc_async(
         # on worker 0
         import torch
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker0", rank=0, world_size=2)
         fut1 = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
         fut2 = rpc.rpc_async("worker1", min, args=(1, 2))
@@ -470,6 +475,7 @@ def rpc_async(
 
         # on worker 1
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
     """
@@ -530,6 +536,7 @@ def remote(
         # on worker 0
         import torch
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker0", rank=0, world_size=2)
         rref1 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
         rref2 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
@@ -538,6 +545,7 @@ def remote(
 
         # on worker 1
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
     """
@@ -583,7 +591,7 @@ def get_rpc_timeout() -> float:
 
     Example:
         # On any worker, after init_rpc:
-        rpc.get_rpc_timeout()       # 60.0
+        rpc.get_rpc_timeout()  # 60.0
         rpc._set_rpc_timeout(5)
         rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))  # at most 5 s
     """

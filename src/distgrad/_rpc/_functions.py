@@ -41,6 +41,7 @@ def async_execution(fn: F) -> F:
             # worker1 answers worker0 only once worker2 answered worker1
             return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
 
+
         # on worker 0 (worker1 and worker2 serve)
         ret = rpc.rpc_sync(
             "worker1", async_add_chained, args=("worker2", torch.ones(2), 1, 1)

@@ -302,6 +302,7 @@ def register_backend(
         def options(rpc_timeout, init_method, **kwargs):
             return rpc.TensorPipeRpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method)
 
+
         MINE = rpc.register_backend("MINE", options, lambda *args, **kwargs: None)
         rpc.init_rpc("worker0", backend=MINE, rank=0, world_size=1)
     """

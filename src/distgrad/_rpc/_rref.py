@@ -92,15 +92,17 @@ class RRef(Generic[T]):
         # on worker 0
         import torch
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker0", rank=0, world_size=2)
         rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
-        rref.to_here()                # tensor([2., 2.]), fetched from worker1
-        rref.rpc_sync().size()        # torch.Size([2]): value.size() runs on worker1
+        rref.to_here()  # tensor([2., 2.]), fetched from worker1
+        rref.rpc_sync().size()  # torch.Size([2]): value.size() runs on worker1
         mine = rpc.RRef(torch.zeros(3))  # owned here; worker1 can fetch it with to_here()
         rpc.shutdown()
 
         # on worker 1
         import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
     """
@@ -274,6 +276,7 @@ class RRef(Generic[T]):
             def add_to(rref, x):
                 return rref.local_value() + x
 
+
             # on worker 0
             rref = rpc.remote("worker1", torch.ones, args=(2,))
             rpc.rpc_sync("worker1", add_to, args=(rref, 1))  # tensor([2., 2.])
@@ -375,8 +378,8 @@ class RRef(Generic[T]):
         Example:
             # on worker 0 (worker1 serves)
             rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
-            rref.rpc_sync().size()          # torch.Size([2, 3])
-            rref.rpc_sync().view(3, 2)      # tensor of shape (3, 2), a copy sent back
+            rref.rpc_sync().size()  # torch.Size([2, 3])
+            rref.rpc_sync().view(3, 2)  # tensor of shape (3, 2), a copy sent back
         """
         from ._rref_proxy import RRefProxy
 
@@ -448,6 +451,7 @@ class RRef(Generic[T]):
         Example:
             # on worker 0 (worker1 serves)
             import distgrad.autograd as dist_autograd
+
             with dist_autograd.context() as context_id:
                 rref = rpc.remote("worker1", torch.sum, args=(torch.ones(2, requires_grad=True),))
                 rref.backward(context_id)

@@ -38,7 +38,7 @@ class WorkerInfo:
     Example:
         # on worker 0 (worker1 serves)
         peer = rpc.get_worker_info("worker1")
-        peer.name, peer.id                  # ("worker1", 1)
+        peer.name, peer.id  # ("worker1", 1)
         rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), 1))
     """
 
