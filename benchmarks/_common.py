@@ -2,7 +2,8 @@
 
 What lives here:
 
-* :func:`run_group` -- spawn a 2-process RPC group (``worker0`` = caller, ``worker1`` = callee)
+* :func:`run_group` -- spawn an RPC group of 2 processes (``worker0`` = caller, ``worker1`` =
+  callee; ``world_size`` for more: ``worker1`` ... serve)
   for one implementation (``"torch"`` = ``torch.distributed.rpc`` over TensorPipe, or
   ``"distgrad"`` = ``distgrad.rpc``), run a measurement function in the caller and hand its
   (picklable) return value back. Every process is joined with a timeout and killed if it does
@@ -311,10 +312,11 @@ def tls_options(cert: str, key: str) -> dict[str, ssl.SSLContext]:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a group's two processes run: the network namespaces of rank 0 and rank 1 (None:
-    this one), the rendezvous host, and (distgrad only) TLS certificate and key paths."""
+    """Where a group's processes run: the network namespace of each rank (None, or a rank past
+    the tuple: this one), the rendezvous host, and (distgrad only) TLS certificate and key
+    paths."""
 
-    netns: tuple[str | None, str | None] = (None, None)
+    netns: tuple[str | None, ...] = (None, None)
     master: str = "127.0.0.1"
     tls: tuple[str, str] | None = None
     #: torch only: TensorPipe's channels and transports. Between namespaces of one machine
@@ -333,11 +335,13 @@ def _worker_main(
     done: Any,
     log_path: str,
     run_timeout: float,
+    world_size: int = 2,
     placement: Placement = Placement(),
 ) -> None:
-    """Body of each spawned process (rank 0 = caller, rank 1 = callee)."""
-    if placement.netns[rank] is not None:
-        enter_netns(placement.netns[rank])  # type: ignore[arg-type]
+    """Body of each spawned process (rank 0 = caller, the others serve)."""
+    netns = placement.netns[rank] if rank < len(placement.netns) else None
+    if netns is not None:
+        enter_netns(netns)
     _redirect_output(log_path)
     warnings.filterwarnings("ignore")
     phase = "import"
@@ -354,7 +358,7 @@ def _worker_main(
         options = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://{placement.master}:{port}", rpc_timeout=120.0, **extra
         )
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
         _put(q, "ready", rank)
         phase = "run"
         if rank == 0:
@@ -391,9 +395,11 @@ def run_group(
     timeout: float = 300.0,
     shutdown_grace: float = 30.0,
     env: dict[str, str] | None = None,
+    world_size: int = 2,
     placement: Placement | None = None,
 ) -> GroupResult:
-    """Run ``caller(rpc, "worker1", config)`` in rank 0 of a fresh 2-process group.
+    """Run ``caller(rpc, "worker1", config)`` in rank 0 of a fresh 2-process group (of
+    ``world_size`` processes: ``worker1`` ... ``worker{world_size - 1}`` serve).
 
     ``impl`` picks the RPC implementation. Both processes are started with the ``spawn``
     method and rendezvous at ``tcp://127.0.0.1:<fresh free port>``. ``timeout`` bounds start,
@@ -407,7 +413,7 @@ def run_group(
     start = time.monotonic()
     result = GroupResult(impl=impl, ok=False)
     log_dir = Path(tempfile.mkdtemp(prefix=f"bench-{impl}-"))
-    logs = [log_dir / f"rank{rank}.log" for rank in range(2)]
+    logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
     procs = [
         ctx.Process(
             target=_worker_main,
@@ -421,12 +427,13 @@ def run_group(
                 done,
                 str(logs[rank]),
                 timeout,
+                world_size,
                 placement or Placement(),
             ),
             name=f"bench-{impl}-rank{rank}",
             daemon=True,
         )
-        for rank in range(2)
+        for rank in range(world_size)
     ]
     try:
         with _patched_environ({**quiet_env(), **(env or {})}):
@@ -474,7 +481,7 @@ def run_group(
             deadline = min(deadline, time.monotonic() + shutdown_grace)
         elif kind == "exit":
             exited.add(msg[1])
-            if got_value and len(exited) == 2:
+            if got_value and len(exited) == world_size:
                 break
         elif kind == "error":
             _record_error(result, msg)
@@ -484,7 +491,7 @@ def run_group(
     result.wall_s = time.monotonic() - start
     if not result.ok:
         result.log_tail = "\n".join(
-            f"--- rank {r} log ({logs[r]}) ---\n{_tail(logs[r])}" for r in range(2)
+            f"--- rank {r} log ({logs[r]}) ---\n{_tail(logs[r])}" for r in range(world_size)
         )
     else:
         for path in logs:

@@ -17,7 +17,9 @@ import argparse
 import enum
 import importlib
 import inspect
+import re
 import sys
+import textwrap
 import types
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,66 @@ as well; see [migration.md](migration.md).
 
 def _doc(obj: Any) -> str:
     doc = inspect.getdoc(obj)
-    return doc.strip() if doc else "*(no docstring)*"
+    return _markdown(doc.strip()) if doc else "*(no docstring)*"
+
+
+_SECTION = re.compile(r"(Args|Returns|Yields|Raises|Example|Examples|Attributes):")
+_ENTRY = re.compile(r"(\*{0,2}[\w.]+(?:, \*{0,2}[\w.]+)*)(?: \(([^)]*)\))?: (.*)")
+
+
+def _markdown(doc: str) -> str:
+    """A docstring with Google-style sections as Markdown: ``Args:`` / ``Raises:`` /
+    ``Attributes:`` entries become bullet lists (``name (type): text``), ``Returns:`` a
+    paragraph, ``Example:`` a fenced Python block; everything else stays as written."""
+    lines = doc.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        match = _SECTION.fullmatch(lines[i])
+        i += 1
+        if match is None:
+            out.append(lines[i - 1])
+            continue
+        block: list[str] = []
+        while i < len(lines) and (not lines[i].strip() or lines[i].startswith(" ")):
+            block.append(lines[i])
+            i += 1
+        while block and not block[-1].strip():
+            block.pop()
+        body = textwrap.dedent("\n".join(block))
+        title = match.group(1)
+        out += [f"**{title}:**", ""]
+        if title in ("Example", "Examples"):
+            out += ["```python", body, "```"]
+        elif title in ("Returns", "Yields"):
+            out += [" ".join(body.split())]
+        else:
+            out += _entries(body)
+        if i < len(lines):
+            out.append("")
+    return "\n".join(out)
+
+
+def _entries(body: str) -> list[str]:
+    """``name (type): text`` entries (continued on more-indented lines) as bullets."""
+    items: list[list[str]] = []
+    for line in body.splitlines():
+        if line and not line.startswith(" "):
+            items.append([line])
+        elif items and line.strip():
+            items[-1].append(line.strip())
+    bullets = []
+    for item in items:
+        text = " ".join(item)
+        entry = _ENTRY.fullmatch(text)
+        if entry is None:
+            bullets.append(f"- {text}")
+            continue
+        name, kind, rest = entry.groups()
+        kind_text = f" ({kind})" if kind else ""
+        names = ", ".join(f"`{n}`" for n in name.split(", "))
+        bullets.append(f"- {names}{kind_text}: {rest}")
+    return bullets
 
 
 def _signature(obj: Any) -> str:

@@ -27,7 +27,19 @@ from __future__ import annotations
 
 
 class DistgradError(RuntimeError):
-    """Base class of every error distgrad raises on its own account."""
+    """Base class of every error distgrad raises on its own account; a ``RuntimeError``, so
+    code written for torch's RPC (``except RuntimeError``) catches it as before.
+
+    Example:
+        try:
+            rpc.rpc_sync("worker1", work, args=(x,), timeout=5)
+        except rpc.RpcTimeoutError:
+            ...  # slow: retry later
+        except rpc.PeerFailureError as err:
+            ...  # err.peer is gone
+        except rpc.DistgradError:
+            ...  # any other failure of distgrad itself
+    """
 
 
 class RpcTimeoutError(DistgradError, TimeoutError):
@@ -36,7 +48,15 @@ class RpcTimeoutError(DistgradError, TimeoutError):
 
 
 class PeerFailureError(DistgradError):
-    """A peer died, became unreachable, or shut down while a call depended on it."""
+    """A peer died, became unreachable, or shut down while a call depended on it.
+
+    Raised by calls, backward passes, RRef operations and group operations that wait on that
+    peer, within the failure-detection bound (``peer_timeout``, 4 s by default), and at once
+    by later calls to a peer known to be dead; the message names the peer.
+
+    Attributes:
+        peer (str, optional): the peer, as ``"worker worker1 (rank 1)"``.
+    """
 
     def __init__(self, message: str, peer: str | None = None) -> None:
         super().__init__(message)
@@ -44,19 +64,30 @@ class PeerFailureError(DistgradError):
 
 
 class RpcShutdownError(DistgradError):
-    """The local RPC agent is shut down or shutting down."""
+    """The local RPC agent is shut down or shutting down: calls still waiting when
+    ``shutdown(graceful=False)`` ran fail with it ("RPC agent was shut down before the call
+    completed"), and so do requests that reach a worker after it stopped serving."""
 
 
 class ProtocolError(DistgradError):
-    """Data read from a connection violates the wire protocol."""
+    """Data read from a connection violates the wire protocol. A malformed frame drops that
+    connection only (logged; the calls waiting on it fail with ``PeerFailureError``); the two
+    subclasses reach the caller of an RPC."""
 
 
 class HandshakeError(ProtocolError):
-    """A connection failed the authenticated handshake."""
+    """A connection failed the authenticated handshake: the peer does not use the same
+    cluster secret, or speaks another version of the wire protocol. Raised by the call that
+    needed the connection, e.g. "handshake with worker worker1 (rank 1) failed: peer failed
+    authentication (does it use the same cluster secret?)"."""
 
 
 class MessageTooLargeError(ProtocolError):
-    """A frame announced a size above the configured maximum message size."""
+    """A message is above the maximum message size (``max_message_size`` of this worker or
+    of the receiver): the call fails before anything is sent, with "message of N bytes
+    exceeds the maximum message size of M bytes (TensorPipeRpcBackendOptions(
+    max_message_size=...))"; a response that is too large reaches its caller as this error.
+    The connection stays usable."""
 
 
 def rpc_timeout_message(timeout_s: float) -> str:

@@ -155,6 +155,52 @@ def test_life_cycle_across_four_workers() -> None:
     assert out["tables"] == {r: EMPTY for r in range(4)}
 
 
+def back_to_owner(rank: int, world_size: int) -> dict[str, Any]:
+    """worker0 sends its UserRRef to the owner in 50 calls (the batch RL agent's pattern)."""
+    from distgrad._rpc._agent import current_agent
+
+    out: dict[str, Any] = {}
+    if rank == 0:
+        value_id = rpc.rpc_sync("worker1", _new_counter_id)
+        rref = rpc.remote("worker1", _the_counter)
+        out["same"] = all(
+            rpc.rpc_sync("worker1", same_object_as_local_value, (rref, value_id)) for _ in range(50)
+        )
+        agent = current_agent()
+        assert agent is not None
+        pending = agent.rrefs._pending_children
+        deadline = time.monotonic() + 10
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["pending_children"] = len(pending)
+        del rref
+        out["tables"] = {r: tables_on(r) for r in range(world_size)}
+    rpc.api._barrier([f"worker{r}" for r in range(world_size)])
+    return out
+
+
+_COUNTERS: list[Counter] = []
+
+
+def _new_counter_id() -> int:
+    _COUNTERS.append(Counter())
+    return id(_COUNTERS[-1])
+
+
+def _the_counter() -> Counter:
+    return _COUNTERS[-1]
+
+
+def test_user_rref_sent_back_to_its_owner_again_and_again() -> None:
+    """A user that passes its RRef to the owner in every call (as the batch RL example's
+    observers do) reaches the very owner object each time; the owner's one-way notices let
+    the user drop every child it held, and the tables are empty once the RRef is gone."""
+    out = run_workers(back_to_owner, 2, timeout=60)[0]
+    assert out["same"] is True
+    assert out["pending_children"] == 0
+    assert out["tables"] == {r: EMPTY for r in range(2)}
+
+
 def errors_and_rules(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if rank != 0:

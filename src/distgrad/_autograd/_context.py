@@ -406,20 +406,35 @@ engine to send the cleanup to the context's known workers)."""
 
 
 class context:
-    """Context object to wrap forward and backward passes when using distributed autograd.
+    """Context object to wrap forward and backward passes when using distributed autograd
+    (torch's ``dist_autograd.context``).
 
     The ``context_id`` generated in the ``with`` statement identifies the distributed backward
-    pass on all workers. Each worker keeps the metadata of the context, and it is released on
-    all of them when the block exits (also on an exception, which propagates).
+    pass on all workers. Inside the block, RPCs are recorded in the context (send and recv
+    functions), the workers they reach join it, and functions they run see it as their
+    current context. Each worker keeps the metadata and the gradients of the context, and it
+    is released on all of them when the block exits (also on an exception, which
+    propagates). Ids are ``(worker id << 48) | counter``.
 
-    Example::
+    Returns:
+        int: (from ``__enter__``) the new context's id.
 
-        >>> import distgrad.autograd as dist_autograd
-        >>> with dist_autograd.context() as context_id:
-        ...     t1 = torch.rand((3, 3), requires_grad=True)
-        ...     t2 = torch.rand((3, 3), requires_grad=True)
-        ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
-        ...     dist_autograd.backward(context_id, [loss])
+    Raises:
+        RuntimeError: distributed autograd is not initialized on this worker (call
+            ``rpc.init_rpc`` first), or this thread is already in a context ("Already have an
+            autograd context id for this thread."): contexts do not nest.
+
+    Example:
+        # on worker 0 (worker1 serves)
+        import torch
+        import distgrad.autograd as dist_autograd
+        import distgrad.rpc as rpc
+
+        with dist_autograd.context() as context_id:
+            t1 = torch.rand((3, 3), requires_grad=True)
+            t2 = torch.rand((3, 3), requires_grad=True)
+            loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+            dist_autograd.backward(context_id, [loss])
     """
 
     autograd_context: DistAutogradContext

@@ -79,7 +79,11 @@ _PASSES_LOCK = threading.Lock()
 
 
 class BackwardError(DistgradError):
-    """A distributed backward pass failed; the message is the hop-by-hop chain."""
+    """A distributed backward pass failed (a ``RuntimeError``, as torch's error).
+
+    The message is the hop-by-hop chain, each worker prefixing ``Error on Node N: `` as the
+    error travels back to the caller of ``backward``, e.g. ``Error on Node 0: Error on Node 1:
+    boom``. The context survives the failure."""
 
     verbatim_over_rpc = True
 

@@ -137,11 +137,12 @@ class RemoteModule(nn.Module):
     """A module created on another worker; ``forward`` runs there (torch's ``RemoteModule``).
 
     Args:
-        remote_device: ``"<worker_name>/<device>"`` or ``"rank:<rank>/<device>"``; the device
+        remote_device (str): ``"<worker_name>/<device>"`` or ``"rank:<rank>/<device>"``; the device
             is optional (default ``"cpu"``), e.g. ``"ps0"``, ``"ps0/cpu"``, ``"rank:1/cuda:0"``.
-        module_cls: the class (or factory) of the module, called on the owner as
+        module_cls (Callable): the class (or factory) of the module, called on the owner as
             ``module_cls(*args, **kwargs)``; it must be importable there.
-        args, kwargs: its arguments.
+        args (tuple, optional): positional arguments of ``module_cls``.
+        kwargs (dict, optional): keyword arguments of ``module_cls``.
 
     ``forward(*args, **kwargs)`` (and calling the module) blocks; ``forward_async`` returns a
     ``torch.futures.Future``. Inside a distributed autograd context both are recorded, so
@@ -151,20 +152,31 @@ class RemoteModule(nn.Module):
     workers in RPC arguments and results (it refers to the same module); Python ``pickle``
     refuses it.
 
-    Example (worker1 only runs ``init_rpc`` and ``shutdown``)::
+    Raises:
+        AssertionError: RPC is not initialized ("RemoteModule only works in RPC.").
+        ValueError: ``remote_device`` names no worker (the expected forms are given).
+        RuntimeError: no worker of that name or rank exists.
+        Exception: (at the first use) what ``module_cls(*args, **kwargs)`` raised on the
+            owner, with its original type; the constructor does not wait for the module.
 
-        # on worker0
+    Example:
+        # Two workers; the module lives on worker1.
+
+        # on worker 0
         import torch
         import distgrad.rpc as rpc
         from distgrad.nn import RemoteModule
 
         rpc.init_rpc("worker0", rank=0, world_size=2)
         linear = RemoteModule("worker1/cpu", torch.nn.Linear, args=(20, 30))
-        out = linear(torch.randn(128, 20))             # runs on worker1
+        out = linear(torch.randn(128, 20))  # runs on worker1, shape (128, 30)
         fut = linear.forward_async(torch.randn(128, 20))
+        out2 = fut.wait()
         rpc.shutdown()
 
-        # on worker1
+        # on worker 1
+        import distgrad.rpc as rpc
+
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
@@ -220,8 +232,35 @@ class RemoteModule(nn.Module):
     def init_from_module_rref(
         remote_device: str, module_rref: rpc.RRef[nn.Module], _module_interface_cls: Any = None
     ) -> RemoteModule:
-        """A RemoteModule for an existing module's RRef (several RemoteModules may share one
-        module). ``remote_device`` must name the RRef's owner."""
+        """A RemoteModule for a module that already exists on its owner (torch's
+        ``RemoteModule.init_from_module_rref``): several RemoteModules, on several workers,
+        may share one module (a parameter server's model, say).
+
+        Args:
+            remote_device (str): ``"<worker_name>/<device>"`` naming the RRef's owner.
+            module_rref (RRef[nn.Module]): an RRef to the module, e.g. ``rpc.RRef(model)``
+                made on the owner, or ``other.get_module_rref()``.
+            _module_interface_cls: TorchScript interface (torch); must be ``None``.
+
+        Returns:
+            RemoteModule: calls go to the module ``module_rref`` refers to.
+
+        Raises:
+            NotImplementedError: ``_module_interface_cls`` was given (no TorchScript).
+            AssertionError, ValueError, RuntimeError: as the constructor, for RPC not
+                initialized and a bad ``remote_device``.
+
+        Example:
+            # defined on both workers, run on worker1 (the trainer):
+            def train_with(model_rref):
+                model = RemoteModule.init_from_module_rref("worker0/cpu", model_rref)
+                return model(torch.randn(3, 4))  # runs on worker0
+
+
+            # on the parameter server, worker0: share its model with the trainer
+            model_rref = rpc.RRef(torch.nn.Linear(4, 2))
+            rpc.rpc_sync("worker1", train_with, args=(model_rref,))
+        """
         if _module_interface_cls is not None:
             raise NotImplementedError("distgrad has no TorchScript RemoteModule")
         module: RemoteModule = object.__new__(RemoteModule)
@@ -233,7 +272,23 @@ class RemoteModule(nn.Module):
 
     # -- remote calls ----------------------------------------------------------------------------
     def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future[Any]:
-        """Run the module's forward on its owner; a future of the result."""
+        """Run the module on its owner without waiting; a future of the result.
+
+        The arguments travel to the owner (tensors moved to the module's device there), the
+        owner calls ``module(*args, **kwargs)`` and the result comes back (moved to the CPU).
+        Inside a distributed autograd context the call is recorded.
+
+        Args:
+            *args, **kwargs: the module's arguments.
+
+        Returns:
+            torch.futures.Future: completes with the module's output, or with the error it
+            raised on the owner (original type).
+
+        Example:
+            fut = linear.forward_async(torch.randn(128, 20))
+            out = fut.wait()
+        """
         return rpc.rpc_async(
             self.module_rref.owner(),
             _remote_forward,
@@ -242,19 +297,60 @@ class RemoteModule(nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's forward on its owner and return the result (blocking)."""
+        """Run the module on its owner and return its output, blocking (also what calling the
+        RemoteModule does).
+
+        Args:
+            *args, **kwargs: the module's arguments.
+
+        Returns:
+            The module's output (tensors on the CPU).
+
+        Raises:
+            Exception: what the module raised on the owner, with its original type.
+            PeerFailureError: the owner died.
+
+        Example:
+            out = linear(torch.randn(128, 20))  # the same as linear.forward(...)
+        """
         return self.forward_async(*args, **kwargs).wait()
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef[nn.Parameter]]:
-        """RRefs to the module's parameters (for ``DistributedOptimizer``)."""
+        """RRefs to the module's parameters, on its owner (for ``DistributedOptimizer``).
+
+        Args:
+            recurse (bool): include the parameters of submodules (as
+                ``nn.Module.parameters``).
+
+        Returns:
+            list[RRef[nn.Parameter]]: one RRef per parameter, owned by the module's worker.
+
+        Example:
+            opt = DistributedOptimizer(torch.optim.SGD, linear.remote_parameters(), lr=0.05)
+        """
         return rpc.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))  # type: ignore[no-any-return]
 
     def get_module_rref(self) -> rpc.RRef[nn.Module]:
-        """The RRef to the module on its owner."""
+        """The RRef to the module on its owner.
+
+        Returns:
+            RRef[nn.Module]: usable for ``init_from_module_rref`` on other workers, or for
+            ``rref.rpc_sync().method(...)`` calls on the module itself.
+        """
         return self.module_rref
 
     def train(self, mode: bool = True) -> RemoteModule:
-        """Set the remote module's training mode (on the owner); returns this RemoteModule."""
+        """Set the remote module's training mode, on its owner.
+
+        Args:
+            mode (bool): ``True`` for training, ``False`` for evaluation.
+
+        Returns:
+            RemoteModule: this RemoteModule (torch's returns a copy of the remote module).
+
+        Raises:
+            ValueError: ``mode`` is not a ``bool``.
+        """
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         rpc.rpc_sync(self.module_rref.owner(), _set_training, (self.module_rref, mode))
@@ -262,10 +358,22 @@ class RemoteModule(nn.Module):
         return self
 
     def eval(self) -> RemoteModule:
-        """``train(False)``."""
+        """Set the remote module to evaluation mode: ``train(False)``.
+
+        Returns:
+            RemoteModule: this RemoteModule.
+        """
         return self.train(False)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Not supported for RemoteModule, as in torch: the parameters live on the owner.
+
+        Args:
+            recurse (bool): ignored.
+
+        Raises:
+            ValueError: always; use :meth:`remote_parameters`.
+        """
         raise ValueError(
             "Method ``parameters`` not supported for RemoteModule. Please use "
             "``remote_parameters`` instead."

@@ -109,10 +109,19 @@ class DistributedOptimizer:
     ``step(context_id)`` applies, on every owner, the gradients that the distributed autograd
     context accumulated there. Steps from several trainers are serialized per owner, in no
     guaranteed order across owners (as the reference). Optimizer state (momentum, Adam's
-    moments) lives on the owners and persists across steps.
+    moments) lives on the owners and persists across steps. The constructor blocks until
+    every owner has built its optimizer.
 
-    Example (the trainer, worker0; worker1 only runs ``init_rpc`` and ``shutdown``)::
+    Raises:
+        Exception: what ``optimizer_class(params, *args, **kwargs)`` raised on an owner (e.g.
+            ``ValueError: Invalid learning rate``), with its original type; the last one when
+            several owners failed.
+        PeerFailureError: an owner died while its optimizer was being built.
 
+    Example:
+        # The trainer, worker0; worker1 holds the layer and only serves.
+
+        # on worker 0
         import torch
         import distgrad.autograd as dist_autograd
         import distgrad.rpc as rpc
@@ -125,7 +134,13 @@ class DistributedOptimizer:
         with dist_autograd.context() as context_id:
             loss = layer(torch.randn(8, 4)).pow(2).mean()
             dist_autograd.backward(context_id, [loss])
-            opt.step(context_id)
+            opt.step(context_id)  # SGD on worker1, with the context's gradients there
+        rpc.shutdown()
+
+        # on worker 1
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
     Differences from torch: no TorchScript functional optimizers (numerically equivalent);
@@ -153,9 +168,29 @@ class DistributedOptimizer:
         self.remote_optimizers: list[rpc.RRef[_LocalOptimizer]] = _wait_for_all(futures)
 
     def step(self, context_id: int) -> None:
-        """Step every owner's optimizer with the gradients of ``context_id``; blocks until all
-        are done. The context must exist here (``"Could not find autograd context with id:
-        ..."`` otherwise) and on every owner (it does when the owner took part in the forward)."""
+        """Step every owner's optimizer with the gradients of ``context_id`` (torch's
+        ``DistributedOptimizer.step``); blocks until every owner is done.
+
+        On each owner, under a process-wide lock, every parameter with a gradient in the
+        context gets it as ``.grad`` (those without one get ``.grad = None``), then the local
+        optimizer steps. The owners step concurrently.
+
+        Args:
+            context_id (int): the distributed autograd context whose gradients to apply; it
+                must exist here and on every owner (it does on the owners that took part in
+                the forward pass).
+
+        Raises:
+            RuntimeError: the context does not exist here or on an owner ("Could not find
+                autograd context with id: N").
+            Exception: what an owner's ``optimizer.step()`` raised, with its original type
+                (the last one when several failed); the other owners still stepped.
+            PeerFailureError: an owner died.
+
+        Example:
+            # on the trainer, after dist_autograd.backward(context_id, [loss]):
+            opt.step(context_id)
+        """
         dist_autograd._is_valid_context(context_id)
         futures = [
             rpc.rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))

@@ -103,9 +103,53 @@ def init_rpc(
 ) -> None:
     """Start this worker's RPC agent and join the group (torch's ``init_rpc``).
 
-    Rendezvous uses ``rpc_backend_options.init_method`` (``env://`` by default: MASTER_ADDR,
-    MASTER_PORT, and RANK / WORLD_SIZE when not given). Returns when every worker of the
-    group has joined.
+    Every worker of the group calls it with its own ``name`` and ``rank``; it returns once
+    every worker has joined and can serve calls. It also initializes distributed autograd
+    (``distgrad.autograd``) for this worker, with the rank as its worker id. After
+    :func:`shutdown`, ``init_rpc`` may be called again (a new group).
+
+    Args:
+        name (str): this worker's globally unique name, e.g. ``"trainer0"``: letters, digits,
+            ``-``, ``_`` and ``:``, 1 to 127 characters.
+        backend (BackendType, optional): ``BackendType.TENSORPIPE`` (the default; accepted so
+            torch programs run unchanged: the agent is always distgrad's) or a registered
+            backend. When ``None`` it is inferred from ``rpc_backend_options``.
+        rank (int): this worker's rank, ``0 <= rank < world_size``. ``-1`` (the default) with
+            ``init_method="env://"`` reads ``RANK`` from the environment.
+        world_size (int, optional): number of workers in the group. ``None`` with
+            ``init_method="env://"`` reads ``WORLD_SIZE``; groups whose members join and leave
+            are not supported.
+        rpc_backend_options (TensorPipeRpcBackendOptions, optional): timeouts, the rendezvous
+            ``init_method`` (``env://`` by default: ``MASTER_ADDR`` and ``MASTER_PORT``; also
+            ``tcp://host:port`` and ``file://path``), worker threads and distgrad's own
+            options (cluster secret, TLS, message size, failure detection). torch's own
+            ``TensorPipeRpcBackendOptions`` is accepted too.
+
+    Raises:
+        TypeError: ``backend`` is not a ``BackendType`` member, or ``rpc_backend_options``
+            is not backend options (torch's messages, e.g. "Argument backend must be a member
+            of BackendType").
+        RuntimeError: "RPC is already initialized"; a name torch refuses ("Worker name must
+            match ^[A-Za-z0-9-_:]*$, ..."); two workers with the same name ("... is not
+            unique"); the rendezvous timed out (after ``rpc_timeout``); no world size.
+
+    Example:
+        # The same program on two workers: distgrad run -n 2 prog.py (or torchrun) sets
+        # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE.
+
+        # on worker 0 (RANK=0)
+        import torch
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        print(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3)))  # tensor([4., 4.])
+        rpc.shutdown()
+
+        # on worker 1 (RANK=1)
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()  # serves worker0's calls until worker0 shuts down too
     """
     if backend is not None and not is_backend_type(backend):
         raise TypeError("Argument backend must be a member of BackendType")
@@ -263,9 +307,34 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
 
     With ``graceful`` (the default) every worker first waits for all workers to reach
     shutdown, then for every RPC in flight anywhere in the group (including follow-up calls
-    they cause) to finish. ``timeout`` (seconds, 0 = none) bounds the whole wait; a dead peer
-    ends it early with an error. Whatever happens, the agent is stopped before this returns
-    or raises, and ``init_rpc`` may be called again.
+    they cause) to finish, and for the users of RRefs this worker owns to be deleted. A
+    worker that only serves calls typically calls ``shutdown()`` right after ``init_rpc``:
+    it serves until every worker has reached shutdown. Whatever happens, the agent is stopped
+    before this returns or raises, and ``init_rpc`` may be called again.
+
+    Args:
+        graceful (bool): wait for the group and for calls in flight (``True``), or stop at
+            once (``False``: calls still waiting fail with ``RpcShutdownError``).
+        timeout (float): seconds the graceful wait may take in all; ``0`` (the default)
+            waits as long as it takes. A dead peer ends the wait early.
+
+    Raises:
+        RuntimeError: RPC is not initialized; with ``rpc.api._ignore_rref_leak = False``,
+            "Leaking RRef ..." when forks of RRefs owned here were still registered.
+        RpcTimeoutError: the graceful wait passed ``timeout`` (the agent is stopped anyway).
+        PeerFailureError: a peer died during the graceful wait.
+
+    Example:
+        # The worker that does the work and the worker that serves it.
+
+        # on worker 0
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        rpc.shutdown()  # returns once worker1 reached shutdown and nothing is in flight
+
+        # on worker 1
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()  # serves worker0 meanwhile
     """
     agent = _agent()
     try:
@@ -320,7 +389,29 @@ def _check_rref_leaks(agent: RpcAgent) -> None:
 
 @_require_initialized
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
-    """``WorkerInfo`` of ``worker_name``, or of this worker when ``None``."""
+    """The ``WorkerInfo`` (name and id) of a worker of the group (torch's
+    ``get_worker_info``).
+
+    A ``WorkerInfo`` can be used wherever a destination is expected (``rpc_sync(info,
+    ...)``); it saves looking the name up on every call.
+
+    Args:
+        worker_name (str, optional): the worker's name; ``None`` (the default) for this
+            worker.
+
+    Returns:
+        WorkerInfo: ``WorkerInfo(id=rank, name=worker_name)``.
+
+    Raises:
+        RuntimeError: RPC is not initialized, or no worker of the group has that name
+            (torch's "name:worker0,rank:0 could not find destination name worker9").
+
+    Example:
+        # On either of two workers:
+        me = rpc.get_worker_info()  # WorkerInfo(id=0, name=worker0) on worker0
+        peer = rpc.get_worker_info("worker1")  # WorkerInfo(id=1, name=worker1)
+        rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), peer.id))
+    """
     return _agent().get_worker_info(worker_name)
 
 
@@ -343,11 +434,59 @@ def rpc_sync(
     kwargs: dict[str, Any] | None = None,
     timeout: float = _config.UNSET_RPC_TIMEOUT,
 ) -> Any:
-    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (blocking).
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result, blocking until
+    it arrives (torch's ``rpc_sync``).
 
-    ``timeout`` in seconds; ``-1`` uses the default (``get_rpc_timeout()``), ``0`` waits
-    forever. A remote exception is re-raised here with its original type, its message
-    carrying the remote traceback.
+    Tensors in the arguments and in the result travel by value (their storage bytes, without
+    a copy into the pickle). Inside a distributed autograd context the call is recorded, so
+    ``dist_autograd.backward`` sends gradients back along it.
+
+    Args:
+        to (str or int or WorkerInfo): the destination: a worker name, a rank, or a
+            ``WorkerInfo``. It may be this worker itself (a real call, through the wire).
+        func (Callable): a Python function (sent by reference: module and name, so it must
+            be importable on ``to``), a builtin torch operator such as ``torch.add``, or an
+            ``@rpc.functions.async_execution`` function.
+        args (tuple, optional): positional arguments of ``func``.
+        kwargs (dict, optional): keyword arguments of ``func``.
+        timeout (float): seconds; ``-1`` (the default) uses the default timeout
+            (``get_rpc_timeout()``, set by ``rpc_timeout`` in the options), ``0`` waits
+            without limit.
+
+    Returns:
+        The value ``func`` returned on ``to`` (for an ``@async_execution`` function, the
+        value of the future it returned).
+
+    Raises:
+        RuntimeError: RPC is not initialized, or ``to`` names no worker of the group.
+        ValueError: ``to`` is not a name, a rank or a ``WorkerInfo`` ("Cannot get WorkerInfo
+            from name ...").
+        TypeError: ``func`` is not callable ("function should be callable.").
+        RpcTimeoutError: no answer within the timeout (torch's "RPC ran for more than set
+            timeout (... ms) and will now be marked with an error"); a ``RuntimeError``.
+        PeerFailureError: ``to`` died or its connection broke while the call waited.
+        HandshakeError: the connection to ``to`` failed the authenticated handshake (``to``
+            uses another cluster secret).
+        MessageTooLargeError: the request or the response is above ``max_message_size``.
+        Exception: what ``func`` raised on ``to``, with its original type and message; the
+            message and ``err.remote_traceback`` hold the remote traceback.
+
+    Example:
+        # Two workers; worker1 only serves.
+
+        # on worker 0
+        import torch
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        ret = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))  # tensor([4., 4.])
+        rpc.shutdown()
+
+        # on worker 1
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()
     """
     agent = _agent()
     dst = _to_worker_info(agent, to)
@@ -367,7 +506,54 @@ def rpc_async(
     kwargs: dict[str, Any] | None = None,
     timeout: float = _config.UNSET_RPC_TIMEOUT,
 ) -> torch.futures.Future[Any]:
-    """Run ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
+    """Run ``func(*args, **kwargs)`` on worker ``to`` without waiting: return a
+    ``torch.futures.Future`` of its result (torch's ``rpc_async``).
+
+    The call is on its way when this returns; ``fut.wait()`` blocks for the result and
+    raises what the call raised, ``fut.then(callback)`` chains work on it (callbacks run on
+    a thread of their own, never on distgrad's I/O thread, and may make RPCs). Inside
+    ``with rpc._wait_all():`` the future is also waited for at the end of the block.
+
+    Args:
+        to (str or int or WorkerInfo): the destination: a worker name, a rank, or a
+            ``WorkerInfo``. It may be this worker itself (a real call, through the wire).
+        func (Callable): a Python function (sent by reference: module and name, so it must
+            be importable on ``to``), a builtin torch operator such as ``torch.add``, or an
+            ``@rpc.functions.async_execution`` function.
+        args (tuple, optional): positional arguments of ``func``.
+        kwargs (dict, optional): keyword arguments of ``func``.
+        timeout (float): seconds; ``-1`` (the default) uses the default timeout
+            (``get_rpc_timeout()``, set by ``rpc_timeout`` in the options), ``0`` waits
+            without limit.
+
+    Returns:
+        torch.futures.Future: completes with ``func``'s result, or with the error that
+        ``rpc_sync`` would have raised (timeout, dead peer, the remote exception).
+
+    Raises:
+        RuntimeError: RPC is not initialized, or ``to`` names no worker of the group.
+        ValueError: ``to`` is not a name, a rank or a ``WorkerInfo``.
+        TypeError: ``func`` is not callable ("function should be callable.").
+
+    Example:
+        # Two workers; two calls in flight at once.
+
+        # on worker 0
+        import torch
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        fut1 = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+        fut2 = rpc.rpc_async("worker1", min, args=(1, 2))
+        result = fut1.wait() + fut2.wait()  # tensor([5., 5.])
+        rpc.shutdown()
+
+        # on worker 1
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()
+    """
     agent = _agent()
     dst = _to_worker_info(agent, to)
     if not callable(func):
@@ -390,15 +576,54 @@ def remote(
     kwargs: dict[str, Any] | None = None,
     timeout: float = _config.UNSET_RPC_TIMEOUT,
 ) -> RRef[Any]:
-    """Run ``func(*args, **kwargs)`` on worker ``to``; return an ``RRef`` to the result at once.
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return at once an ``RRef`` to its
+    result, which stays on ``to``, its owner (torch's ``remote``).
 
-    The result stays on ``to`` (its owner). ``timeout`` bounds the creation; a creation that
-    fails or times out is reported when the RRef is next used (``to_here``, passed in a call).
+    The RRef can be used right away: passed to other workers in RPC arguments, fetched with
+    ``to_here()``, or called through ``rref.rpc_sync().method(...)``; uses wait for the value
+    where needed. The owner keeps the value while any reference to it exists anywhere.
 
-    Example::
+    Args:
+        to (str or int or WorkerInfo): the destination: a worker name, a rank, or a
+            ``WorkerInfo``. It may be this worker itself (a real call, through the wire).
+        func (Callable): a Python function (sent by reference: module and name, so it must
+            be importable on ``to``), a builtin torch operator such as ``torch.add``, or an
+            ``@rpc.functions.async_execution`` function.
+        args (tuple, optional): positional arguments of ``func``.
+        kwargs (dict, optional): keyword arguments of ``func``.
+        timeout (float): seconds the *creation* may take; ``-1`` (the default) uses the
+            default timeout
+            (``get_rpc_timeout()``, set by ``rpc_timeout`` in the options), ``0`` waits
+            without limit.
 
-        rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
-        rref.to_here()  # tensor([4., 4.])
+    Returns:
+        RRef: a user reference to the value on ``to`` (an owner reference when ``to`` is this
+        worker). A creation that fails or times out is recorded on it and raised by its next
+        use (``to_here()``, passing it in a call), as in torch.
+
+    Raises:
+        RuntimeError: RPC is not initialized, or ``to`` names no worker of the group.
+        ValueError: ``to`` is not a name, a rank or a ``WorkerInfo``.
+        TypeError: ``func`` is not callable ("function should be callable.").
+
+    Example:
+        # Two workers; the values live on worker1.
+
+        # on worker 0
+        import torch
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker0", rank=0, world_size=2)
+        rref1 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        rref2 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        x = rref1.to_here() + rref2.to_here()  # tensor([6., 6.])
+        rpc.shutdown()
+
+        # on worker 1
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()
     """
     agent = _agent()
     dst = _to_worker_info(agent, to)
@@ -430,7 +655,23 @@ def wait_all() -> Iterator[None]:
 
 
 def get_rpc_timeout() -> float:
-    """The default timeout of new RPCs, in seconds."""
+    """The default timeout of new RPCs, in seconds (torch's ``get_rpc_timeout``).
+
+    It is ``rpc_timeout`` of the options given to ``init_rpc`` (60 by default) until
+    ``rpc._set_rpc_timeout`` changes it; calls made with ``timeout=-1`` use it.
+
+    Returns:
+        float: seconds; ``0`` means no timeout.
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+
+    Example:
+        # On any worker, after init_rpc:
+        rpc.get_rpc_timeout()  # 60.0
+        rpc._set_rpc_timeout(5)
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))  # at most 5 s
+    """
     return _agent().rpc_timeout
 
 

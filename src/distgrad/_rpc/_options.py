@@ -33,7 +33,18 @@ DeviceLike = int | str | torch.device
 
 
 class RpcBackendOptions:
-    """Options common to every backend: the default RPC timeout and the init method."""
+    """Options common to every backend: the default RPC timeout and the init method (torch's
+    ``RpcBackendOptions``).
+
+    Args:
+        rpc_timeout (float): default timeout of calls, in seconds (``0``: none).
+        init_method (str): how workers meet: ``"env://"`` (``MASTER_ADDR``/``MASTER_PORT``),
+            ``"tcp://host:port"`` or ``"file:///path"``.
+
+    Raises:
+        TypeError: ``rpc_timeout`` is not a number ("incompatible constructor arguments").
+        RuntimeError: ``rpc_timeout`` is negative ("RPC Timeout must be non-negative").
+    """
 
     def __init__(
         self,
@@ -56,23 +67,48 @@ def _device(d: DeviceLike) -> torch.device:
 
 
 class TensorPipeRpcBackendOptions(RpcBackendOptions):
-    """Options of distgrad's agent (named as torch's TensorPipe options for drop-in use).
+    """Options of distgrad's agent, named as torch's ``TensorPipeRpcBackendOptions`` so that
+    torch programs run unchanged; all arguments are keyword-only.
 
-    Args beyond torch's:
-        secret: cluster secret for the connection handshake (``bytes`` or ``str``). Default:
+    Args:
+        num_worker_threads (int): how many user functions may run at once on this worker
+            (16); threads blocked in nested RPCs do not count.
+        rpc_timeout (float): default timeout of calls in seconds (60; ``0``: none).
+        init_method (str): how workers meet: ``"env://"`` (the default), ``"tcp://host:port"``
+            or ``"file:///path"``.
+        device_maps (dict, optional): ``{worker_name: {local_device: remote_device}}``;
+            validated as torch does, not applied (tensors must be on the CPU).
+        devices (list, optional): CUDA devices this worker uses; validated, not applied.
+        _transports, _channels: TensorPipe's tuning; accepted and ignored.
+        secret (bytes or str, optional): cluster secret for the connection handshake. Default:
             ``$DISTGRAD_SECRET``, else rank 0 generates one and shares it through the
             rendezvous store -- which then must be trusted (see docs/security.md).
-        server_ssl_context / client_ssl_context: enable TLS on TCP connections between hosts.
-        max_message_size: bound on one message in bytes, published to the peers: a message
-            above this worker's or the receiver's bound fails its call before it is sent; a
-            larger frame that arrives anyway drops the connection.
-        heartbeat_interval / peer_timeout: a peer silent for ``peer_timeout`` seconds is
-            *suspected*: what waits on it fails, a later call connects again
-            (docs/failure-semantics.md).
-        listen_addr: address to listen on for TCP (default: derived from the rendezvous).
-        fail_stop: a peer whose connection is lost, or that is silent for ``peer_timeout``,
-            is dead for the rest of the group's life (no reconnection): distgrad's behaviour
-            before suspicion. Also ``DISTGRAD_FAIL_STOP=1``.
+        server_ssl_context, client_ssl_context (ssl.SSLContext, optional): TLS on TCP
+            connections between hosts (both or neither).
+        max_message_size (int): bound on one message in bytes (16 GiB), published to the
+            peers: a message above this worker's or the receiver's bound fails its call
+            before it is sent; a larger frame that arrives anyway drops the connection.
+        heartbeat_interval (float): seconds between heartbeats on an idle connection (1).
+        peer_timeout (float): a peer silent this many seconds is *suspected* (4): what waits
+            on it fails, a later call connects again (docs/failure-semantics.md).
+        listen_addr (str, optional): address to listen on for TCP (default: the local address
+            that routes to the rendezvous master; ``$DISTGRAD_LISTEN_ADDR``).
+        fail_stop (bool): a peer whose connection is lost, or that is silent for
+            ``peer_timeout``, is dead for the rest of the group's life (no reconnection):
+            distgrad's behaviour before suspicion. Also ``DISTGRAD_FAIL_STOP=1``.
+
+    Raises:
+        ValueError: ``num_worker_threads`` below 1, TLS with only one context, a
+            non-positive ``max_message_size``, ``peer_timeout`` not above
+            ``heartbeat_interval``, an empty secret, or an invalid device map.
+        TypeError, RuntimeError: a bad ``rpc_timeout`` (as ``RpcBackendOptions``).
+
+    Example:
+        # On every worker (the same secret everywhere):
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method="tcp://10.0.0.1:29500", rpc_timeout=20, secret=os.environ["MY_SECRET"]
+        )
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     """
 
     def __init__(
@@ -124,7 +160,22 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             self.set_devices(devices)
 
     def set_device_map(self, to: str, device_map: dict[DeviceLike, DeviceLike]) -> None:
-        """Map this worker's devices to ``to``'s devices (1-to-1), as torch's method."""
+        """Map this worker's devices to ``to``'s devices, 1-to-1, as torch's method (maps are
+        validated and kept, not applied yet: tensors sent must be on the CPU).
+
+        Args:
+            to (str): the callee's name.
+            device_map (dict): ``{this worker's device: the callee's device}``; devices as
+                ``torch.device``, strings (``"cuda:0"``) or CUDA indices.
+
+        Raises:
+            ValueError: the map is not 1-to-1 (with the maps already set for ``to``).
+            RuntimeError: a negative device index.
+
+        Example:
+            options = rpc.TensorPipeRpcBackendOptions()
+            options.set_device_map("worker1", {0: 1})  # this worker's cuda:0 -> worker1's cuda:1
+        """
         current = self.device_maps.setdefault(to, {})
         reverse = {v: k for k, v in current.items()}
         for key, value in device_map.items():
@@ -143,6 +194,14 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             reverse[v] = k
 
     def set_devices(self, devices: list[DeviceLike]) -> None:
+        """Set the CUDA devices this worker uses, as torch's method (kept, not applied).
+
+        Args:
+            devices (list): CUDA devices (``torch.device``, ``"cuda:0"`` or an index).
+
+        Raises:
+            ValueError: a device that is not a CUDA device.
+        """
         parsed = [_device(d) for d in devices]
         for device in parsed:
             if device.type != "cuda":
@@ -160,7 +219,15 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
 
 class BackendValue:
-    """What a registered backend stands for (its options and init handlers)."""
+    """What a registered backend stands for: its options handler and init handler (the value
+    of each ``BackendType`` member, as torch's ``BackendValue``).
+
+    Args:
+        construct_rpc_backend_options_handler (Callable): builds the backend's options from
+            ``rpc_timeout``, ``init_method`` and keyword arguments.
+        init_backend_handler (Callable, optional): torch calls it to build the agent;
+            distgrad keeps it but always starts its own agent.
+    """
 
     def __init__(
         self,
@@ -202,9 +269,21 @@ def _make_enum() -> Any:
 
 
 BackendType: Any = _make_enum()
+BackendType.__doc__ = """The RPC backends (torch's ``BackendType``): ``TENSORPIPE``, plus those
+added with ``register_backend``. Every member starts distgrad's own agent; ``TENSORPIPE`` is
+there so that torch programs passing ``backend=rpc.BackendType.TENSORPIPE`` run unchanged.
+A member's value is its ``BackendValue``."""
 
 
 def backend_registered(backend_name: str) -> bool:
+    """Whether a backend of that name is registered (torch's ``backend_registered``).
+
+    Args:
+        backend_name (str): e.g. ``"TENSORPIPE"``.
+
+    Returns:
+        bool: ``True`` for ``"TENSORPIPE"`` and every name given to :func:`register_backend`.
+    """
     return backend_name in _registry
 
 
@@ -213,7 +292,35 @@ def register_backend(
     construct_rpc_backend_options_handler: Callable[..., RpcBackendOptions],
     init_backend_handler: Callable[..., Any],
 ) -> Any:
-    """Register a backend name, as torch's ``register_backend``; returns the new member."""
+    """Register a backend name, as torch's ``register_backend``.
+
+    ``init_rpc(backend=member)`` and :func:`construct_rpc_backend_options` then accept the
+    returned member, and its options handler builds the options. The agent is always
+    distgrad's: ``init_backend_handler`` is never called (docs/migration.md, "Backend
+    registry").
+
+    Args:
+        backend_name (str): the new member's name.
+        construct_rpc_backend_options_handler (Callable): called as
+            ``handler(rpc_timeout, init_method, **kwargs)``; returns ``RpcBackendOptions``.
+        init_backend_handler (Callable): kept for torch compatibility, unused.
+
+    Returns:
+        BackendType: the new member (of a new ``BackendType`` enum that has every
+        registered backend; ``rpc.BackendType`` itself keeps the members it had, as in
+        torch).
+
+    Raises:
+        RuntimeError: the name is taken ("RPC backend {name}: already registered").
+
+    Example:
+        def options(rpc_timeout, init_method, **kwargs):
+            return rpc.TensorPipeRpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method)
+
+
+        MINE = rpc.register_backend("MINE", options, lambda *args, **kwargs: None)
+        rpc.init_rpc("worker0", backend=MINE, rank=0, world_size=1)
+    """
     global BackendType
     if backend_registered(backend_name):
         raise RuntimeError(f"RPC backend {backend_name}: already registered")
@@ -230,6 +337,23 @@ def construct_rpc_backend_options(
     init_method: str = _config.DEFAULT_INIT_METHOD,
     **kwargs: Any,
 ) -> RpcBackendOptions:
+    """Default options of a backend (torch's ``construct_rpc_backend_options``).
+
+    Args:
+        backend (BackendType): the backend, e.g. ``rpc.BackendType.TENSORPIPE``.
+        rpc_timeout (float): default call timeout in seconds (60).
+        init_method (str): the rendezvous (``"env://"``).
+        **kwargs: more keyword arguments of the backend's options (for TENSORPIPE, those of
+            ``TensorPipeRpcBackendOptions``).
+
+    Returns:
+        RpcBackendOptions: what the backend's options handler builds.
+
+    Example:
+        options = rpc.construct_rpc_backend_options(
+            rpc.BackendType.TENSORPIPE, rpc_timeout=10, num_worker_threads=8
+        )
+    """
     options: RpcBackendOptions = backend.value.construct_rpc_backend_options_handler(
         rpc_timeout, init_method, **kwargs
     )

@@ -30,7 +30,6 @@ from ._rref_context import (
     GloballyUniqueId,
     OwnerValue,
     RRefContext,
-    _child_accept,
 )
 from ._worker_info import WorkerInfo
 
@@ -74,16 +73,38 @@ class RRef(Generic[T]):
     """A reference to a value that lives on one worker, its *owner* (torch's ``RRef``).
 
     ``RRef(value)`` makes this worker the owner of ``value``; ``rpc.remote(to, fn, args)``
-    returns a reference to ``fn(*args)`` run on ``to``. References can be passed to other
-    workers in RPC arguments and results; the owner keeps the value while any reference to it
-    exists anywhere.
+    returns a *user* reference to ``fn(*args)`` run on ``to``. References can be passed to
+    other workers in RPC arguments and results (each receiver gets a reference of its own,
+    the owner gets back its owner reference); the owner keeps the value while any reference to
+    it exists anywhere, following torch's reference-counting protocol. An RRef cannot be
+    pickled outside RPC.
 
-    Example (worker0 and worker1)::
+    Args:
+        value: the object this worker owns from now on (a tensor, a module, anything).
+        type_hint: accepted for torch compatibility (TorchScript interfaces); unused.
 
-        # on worker0
+    Raises:
+        RuntimeError: RPC is not initialized ("Current RPC agent is not set! ...").
+
+    Example:
+        # Two workers; worker1 owns the values.
+
+        # on worker 0
+        import torch
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker0", rank=0, world_size=2)
         rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
-        rref.to_here()                       # tensor([2., 2.])
-        rref.rpc_sync().size()               # runs value.size() on worker1
+        rref.to_here()  # tensor([2., 2.]), fetched from worker1
+        rref.rpc_sync().size()  # torch.Size([2]): value.size() runs on worker1
+        mine = rpc.RRef(torch.zeros(3))  # owned here; worker1 can fetch it with to_here()
+        rpc.shutdown()
+
+        # on worker 1
+        import distgrad.rpc as rpc
+
+        rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.shutdown()
     """
 
     __slots__ = (
@@ -188,19 +209,38 @@ class RRef(Generic[T]):
 
     # -- introspection ---------------------------------------------------------------------------
     def is_owner(self) -> bool:
-        """Whether this worker owns the value."""
+        """Whether this worker owns the value.
+
+        Returns:
+            bool: ``True`` for the owner's reference, ``False`` for a user's.
+        """
         return self._fork_id is None
 
     def owner(self) -> WorkerInfo:
-        """The owner's ``WorkerInfo``."""
+        """The worker that owns the value.
+
+        Returns:
+            WorkerInfo: the owner's name and id (usable as an RPC destination).
+        """
         return self._owner
 
     def owner_name(self) -> str:
-        """The owner's worker name."""
+        """The name of the worker that owns the value.
+
+        Returns:
+            str: e.g. ``"worker1"``.
+        """
         return self._owner.name
 
     def confirmed_by_owner(self) -> bool:
-        """Whether the owner knows this reference (always True on the owner)."""
+        """Whether the owner has registered this reference yet.
+
+        A user reference made by ``rpc.remote`` or received from another user is confirmed
+        once the owner knows it (the RRef can be used before that; uses wait where needed).
+
+        Returns:
+            bool: always ``True`` on the owner.
+        """
         return self._confirmed
 
     def __str__(self) -> str:
@@ -218,7 +258,29 @@ class RRef(Generic[T]):
 
     # -- values ----------------------------------------------------------------------------------
     def local_value(self) -> T:
-        """The value, on the owner (blocks until it is set; raises the creating call's error)."""
+        """The value itself, on the owner (no copy).
+
+        Blocks until the value is set (the call of ``rpc.remote`` that creates it may still
+        run); a worker thread waiting here does not hold a pool slot.
+
+        Returns:
+            The owned object: the very object the creating function returned.
+
+        Raises:
+            RuntimeError: called on a user reference ("... can't call localValue() on user
+                WorkerInfo(...). Call it on owner WorkerInfo(...)").
+            Exception: the error of the ``rpc.remote`` call that was to create the value.
+
+        Example:
+            # On worker1, the owner, in a function worker0 calls with the RRef:
+            def add_to(rref, x):
+                return rref.local_value() + x
+
+
+            # on worker 0
+            rref = rpc.remote("worker1", torch.ones, args=(2,))
+            rpc.rpc_sync("worker1", add_to, args=(rref, 1))  # tensor([2., 2.])
+        """
         if self._value is None:
             me = current_agent()
             where = me.worker_info if me is not None else self._ctx.agent.worker_info
@@ -231,8 +293,29 @@ class RRef(Generic[T]):
     def to_here(self, timeout: float = -1.0) -> T:
         """A copy of the value, fetched from the owner (on the owner: the value itself).
 
-        Inside a distributed autograd context the fetch is recorded, so gradients flow back to
-        the owner's graph."""
+        Blocks until the value exists and has arrived. Inside a distributed autograd context
+        the fetch is recorded, so gradients flow back into the owner's graph.
+
+        Args:
+            timeout (float): seconds; ``-1`` (the default) uses the default RPC timeout,
+                ``0`` waits without limit.
+
+        Returns:
+            The value (for a user: a copy, unpickled here).
+
+        Raises:
+            RuntimeError: the reference was deleted ("... Cannot call to_here() on it after
+                deletion."), or its creation timed out ("RRef creation via rpc.remote() timed
+                out, ...").
+            RpcTimeoutError: the fetch took longer than ``timeout``.
+            PeerFailureError: the owner died.
+            Exception: the error of the ``rpc.remote`` call that was to create the value.
+
+        Example:
+            # on worker 0 (worker1 serves)
+            rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+            rref.to_here()  # tensor([4., 4.])
+        """
         if self._value is not None:
             return _wait_blocking(self._ctx.agent, self._value)  # type: ignore[no-any-return]
         if self._deleted:
@@ -279,29 +362,100 @@ class RRef(Generic[T]):
 
     # -- proxies ---------------------------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
-        """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on the owner."""
+        """A proxy that calls the value's methods on the owner with ``rpc_sync``.
+
+        ``rref.rpc_sync().method(*args, **kwargs)`` is
+        ``rpc.rpc_sync(rref.owner(), <run value.method(*args, **kwargs)>)``: it blocks and
+        returns the method's result.
+
+        Args:
+            timeout (float): seconds for each call made through the proxy; ``-1`` uses the
+                default RPC timeout.
+
+        Returns:
+            A proxy whose attributes are the value's methods.
+
+        Example:
+            # on worker 0 (worker1 serves)
+            rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
+            rref.rpc_sync().size()  # torch.Size([2, 3])
+            rref.rpc_sync().view(3, 2)  # tensor of shape (3, 2), a copy sent back
+        """
         from ._rref_proxy import RRefProxy
 
         return RRefProxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> RRefProxy:
-        """``rref.rpc_async().method(*args)``: a future of ``method``'s result on the owner."""
+        """A proxy that calls the value's methods on the owner with ``rpc_async``.
+
+        ``rref.rpc_async().method(*args, **kwargs)`` returns at once a
+        ``torch.futures.Future`` of the method's result.
+
+        Args:
+            timeout (float): seconds for each call made through the proxy; ``-1`` uses the
+                default RPC timeout.
+
+        Returns:
+            A proxy whose attributes are the value's methods, each returning a future.
+
+        Example:
+            # on worker 0 (worker1 serves)
+            rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
+            rref.rpc_async().size().wait()  # torch.Size([2, 3])
+        """
         from ._rref_proxy import RRefProxy
 
         return RRefProxy(self, "async", timeout)
 
     def remote(self, timeout: float = -1.0) -> RRefProxy:
-        """``rref.remote().method(*args)``: an RRef to ``method``'s result, on the owner."""
+        """A proxy that calls the value's methods on the owner with ``rpc.remote``.
+
+        ``rref.remote().method(*args, **kwargs)`` returns at once an ``RRef`` to the method's
+        result, which stays on the owner.
+
+        Args:
+            timeout (float): seconds for the creation of each result; ``-1`` uses the default
+                RPC timeout.
+
+        Returns:
+            A proxy whose attributes are the value's methods, each returning an ``RRef``.
+
+        Example:
+            # on worker 0 (worker1 serves)
+            rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
+            rref.remote().view(3, 2).to_here()  # the (3, 2) view, made on worker1
+        """
         from ._rref_proxy import RRefProxy
 
         return RRefProxy(self, "remote", timeout)
 
     # -- autograd --------------------------------------------------------------------------------
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
-        """Run backward from the value (a scalar tensor) -- on the owner.
+        """Run backward from the value (a scalar tensor) on its owner.
 
-        With a context id the pass is a distributed one (``dist_autograd.backward``); without,
-        a local ``torch.autograd.backward`` (owner only)."""
+        With ``dist_autograd_ctx_id`` the pass is a distributed one
+        (``dist_autograd.backward(dist_autograd_ctx_id, [value])`` on the owner): gradients
+        go to that context on every worker. Without one (owner only) it is a local
+        ``torch.autograd.backward`` that fills ``.grad``.
+
+        Args:
+            dist_autograd_ctx_id (int): the distributed autograd context; ``-1`` (the default)
+                for a local pass, on the owner only.
+            retain_graph (bool): keep the graph for another pass (as in ``backward``).
+
+        Raises:
+            RuntimeError: a user reference without a context id ("User RRefs require
+                'dist_autograd_ctx_id' to be specified"); the value is not a tensor ("RRef
+                should contain a tensor for .backward()"); the backward pass failed.
+
+        Example:
+            # on worker 0 (worker1 serves)
+            import distgrad.autograd as dist_autograd
+
+            with dist_autograd.context() as context_id:
+                rref = rpc.remote("worker1", torch.sum, args=(torch.ones(2, requires_grad=True),))
+                rref.backward(context_id)
+        """
         if self._value is not None:
             _owner_backward(self.local_value(), dist_autograd_ctx_id, retain_graph)
             return
@@ -360,7 +514,7 @@ def _rebuild_rref(
         if parent == owner:  # sent to itself: the fork registered when pickling is not a user
             ctx.del_forks([(rref_id, fork_id)])
         else:  # no user holds this fork id; its parent may let go
-            ctx.control(parent, _child_accept, (fork_id,))
+            ctx.accept_child(parent, fork_id)
         return rref
     rref = RRef._new_user(ctx, rref_id, fork_id, agent.get_worker_info(owner))
     if parent == owner:  # the owner registered the fork before sending it

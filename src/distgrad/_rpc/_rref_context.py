@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._calls import set_future_error
+from ._functions import on_io_thread
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -346,6 +347,19 @@ class RRefContext:
         future.add_done_callback(done)
         return future
 
+    def accept_child(self, parent: int, fork_id: GloballyUniqueId) -> None:
+        """Tell ``parent`` that the owner knows its child ``fork_id``, so it may let go of the
+        parent RRef it holds for it. One way (a ``NOTIFY`` handled on the parent's I/O thread):
+        nothing waits for an answer, and a user that sends an RRef to its owner in every call
+        (an agent's RRef, in the batch RL pattern) would otherwise pay a request, a response
+        and four thread wake-ups per call. If it cannot be sent now, it goes as a retried
+        control message. A notice lost with its connection (the parent alive, the connection
+        dropped for a protocol error) leaves the parent held until shutdown."""
+        try:
+            self.agent.notify(parent, _child_accept_notice, (fork_id,))
+        except Exception:
+            self.control(parent, _child_accept, (fork_id,))
+
     def request_fork(self, rref: RRef[Any], parent: int) -> None:
         """A UserRRef received from a user (not the owner): ask the owner to register its fork;
         once acknowledged, the user is confirmed and the parent may let go of it."""
@@ -356,7 +370,7 @@ class RRefContext:
         def acknowledged(error: BaseException | None) -> None:
             self.confirm_user(fork_id, error)
             if error is None:
-                self.control(parent, _child_accept, (fork_id,))
+                self.accept_child(parent, fork_id)
 
         self.control(rref._owner.id, _fork_request, (rref._rref_id, fork_id), acknowledged)
 
@@ -486,6 +500,12 @@ def _child_accept(fork_id: GloballyUniqueId) -> None:
     ctx = _context()
     if ctx is not None:
         ctx.del_pending_child(fork_id)
+
+
+@on_io_thread
+def _child_accept_notice(fork_id: GloballyUniqueId) -> None:
+    """:func:`_child_accept` as a one-way notice (quick, never blocks: on the I/O thread)."""
+    _child_accept(fork_id)
 
 
 def _user_deletes(pairs: list[tuple[GloballyUniqueId, GloballyUniqueId]]) -> None:

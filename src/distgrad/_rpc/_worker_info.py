@@ -21,7 +21,26 @@ def validate_worker_name(name: object) -> str:
 
 
 class WorkerInfo:
-    """A worker's name and id (rank), as torch's ``WorkerInfo``."""
+    """A worker's name and id (its rank), as torch's ``WorkerInfo``.
+
+    Returned by ``rpc.get_worker_info`` and ``RRef.owner()``; usable as the destination of
+    every call (it saves looking the name up). Equal when name and id are equal; hashes by
+    id; picklable (it can travel in RPCs); prints as ``WorkerInfo(id=1, name=worker1)``.
+
+    Args:
+        name (str): the worker's name.
+        id (int): the worker's id, its rank in the group.
+
+    Attributes:
+        name (str): the worker's name.
+        id (int): the worker's id.
+
+    Example:
+        # on worker 0 (worker1 serves)
+        peer = rpc.get_worker_info("worker1")
+        peer.name, peer.id  # ("worker1", 1)
+        rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), 1))
+    """
 
     __slots__ = ("id", "name")
 

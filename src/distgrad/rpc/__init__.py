@@ -97,7 +97,12 @@ def _get_debug_info() -> dict[str, str | int]:
 
 
 def is_available() -> bool:
-    """Always True: distgrad needs only sockets."""
+    """Whether RPC is available: always ``True`` (torch's ``is_available`` is ``False`` in
+    builds without distributed support; distgrad needs only sockets).
+
+    Returns:
+        bool: ``True``.
+    """
     return True
 
 
