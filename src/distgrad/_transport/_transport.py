@@ -126,6 +126,9 @@ class TransportStatistics:
     dead_peers: tuple[int, ...]
     #: tensor bytes this worker read straight from peers' memory (same host), not the socket
     bytes_read_directly: int = 0
+    #: heartbeat ticks that found this process itself had not been running for more than a
+    #: heartbeat interval (and so judged no peer's silence)
+    stalls: int = 0
 
 
 class FrameHandler:
@@ -207,6 +210,9 @@ class Transport:
         self._silent: dict[asyncio.Task[None], socket.socket] = {}
         self._shed: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
+        self._beat_due = 0.0  # when the next heartbeat tick should run (time.monotonic())
+        self._skipped_judging = False
+        self._stalls = 0  # ticks that found this process had not been running
         self._closing = False
         self._accepted = self._opened = self._failed_handshakes = self._protocol_errors = 0
         self._bytes_read_directly = 0
@@ -241,6 +247,7 @@ class Transport:
         loop = asyncio.get_running_loop()
         for listener in self._listeners:
             loop.add_reader(listener.fileno(), self._on_accept, listener)
+        self._beat_due = time.monotonic() + self.config.heartbeat_interval
         self._heartbeat = loop.call_later(self.config.heartbeat_interval, self._beat)
 
     def set_peers(self, peers: dict[int, PeerAddress]) -> None:
@@ -491,12 +498,21 @@ class Transport:
     def _beat(self) -> None:
         cfg = self.config
         now = time.monotonic()
+        # A tick far behind its time means this process was not running (stopped, a C call
+        # holding the GIL, a stalled host): what its peers sent meanwhile still waits, unread,
+        # in the sockets, and their silence is this process's own. Such a tick only sends;
+        # the loop reads what waits, and the next tick judges (never two ticks in a row
+        # skip, so a dead peer is still found, one interval later at most).
+        judge = now - self._beat_due < cfg.heartbeat_interval or self._skipped_judging
+        self._skipped_judging = not judge
+        if not judge:
+            self._stalls += 1
         heartbeat = encode_frame(Kind.HEARTBEAT, 0)
         for conn in list(self._conns):
             if conn.closed:
                 continue
             silent = now - conn.last_recv
-            if silent > cfg.peer_timeout:
+            if judge and silent > cfg.peer_timeout:
                 conn.close(
                     PeerFailureError(
                         f"{conn.peer_label} sent nothing for {silent:.1f}s "
@@ -512,6 +528,7 @@ class Transport:
             except PeerFailureError:
                 pass
         if not self._closing:
+            self._beat_due = time.monotonic() + cfg.heartbeat_interval
             self._heartbeat = self._io.loop.call_later(cfg.heartbeat_interval, self._beat)
 
     # -- teardown --------------------------------------------------------------------------------
@@ -557,6 +574,7 @@ class Transport:
             dead_peers=tuple(sorted(self._dead)),
             bytes_read_directly=self._bytes_read_directly
             + sum(c.bytes_read_directly for c in list(self._conns)),
+            stalls=self._stalls,
         )
 
 
