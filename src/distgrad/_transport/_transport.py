@@ -11,7 +11,8 @@ A connection that breaks without the peer's goodbye marks the peer dead: the own
 (so it fails what was waiting on that connection) and every later send to that peer fails at
 once. So does a refused connect (nothing listens there); any other connect error (a backlog
 filled by a flooding local process, a timeout) fails only the call that was connecting.
-Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed. A
+Heartbeats bound how long a silent death (a host gone, a network cut) goes unnoticed; a
+tick that finds this process itself was not running judges nobody (see ``_beat``). A
 connection closed for a protocol error (a malformed or oversized frame) is dropped alone: the
 calls waiting on it fail, but the peer is not condemned.
 """
