@@ -335,14 +335,29 @@ def test_a_flooded_unix_socket_does_not_condemn_its_worker(tmp_path: Path) -> No
 # -- handshakes refused under load (issue 14, item 7) -------------------------------------------
 def occupy_handshake_slots(host: str, port: int) -> list[socket.socket]:
     """Take every handshake slot of the worker at ``host:port`` with connections that sent
-    one byte of a HELLO and then stall (so they are not shed as silent ones)."""
+    one byte of a HELLO and then stall (so they are not shed as silent ones); return once a
+    further such connection is closed by the worker at once."""
     held = []
     for _ in range(_MAX_PENDING_HANDSHAKES):
         sock = socket.create_connection((host, port), timeout=5)
         sock.sendall(MAGIC[:1])
         held.append(sock)
-    time.sleep(1.0)  # accepted (the worker's loop is idle otherwise)
-    return held
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        probe = socket.create_connection((host, port), timeout=5)
+        probe.sendall(MAGIC[:1])
+        probe.settimeout(0.5)
+        try:
+            closed = probe.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:  # it got a slot: not all were taken yet
+            closed = False
+        if closed:
+            probe.close()
+            return held
+        held.append(probe)
+    raise AssertionError("the worker never ran out of handshake slots")
 
 
 def refused_handshakes(rank: int, world_size: int) -> dict[str, Any]:

@@ -139,6 +139,9 @@ class TransportStatistics:
     dead_peers: tuple[int, ...]
     #: tensor bytes this worker read straight from peers' memory (same host), not the socket
     bytes_read_directly: int = 0
+    #: heartbeat ticks that found this process itself had not been running for more than a
+    #: heartbeat interval (and so judged no peer's silence)
+    stalls: int = 0
 
 
 class FrameHandler:
@@ -217,7 +220,6 @@ class Transport:
         self._suspected: dict[int, PeerFailureError] = {}
         #: a failed reconnect to a suspected peer: (until when calls fail at once, the error)
         self._unreachable: dict[int, tuple[float, PeerFailureError]] = {}
-        self._beat_due = 0.0  # when the current heartbeat tick was scheduled to run
         self._listeners: list[socket.socket] = []
         self._handshakes: set[asyncio.Task[None]] = set()
         # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
@@ -225,6 +227,9 @@ class Transport:
         self._silent: dict[asyncio.Task[None], socket.socket] = {}
         self._shed: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
+        self._beat_due = 0.0  # when the next heartbeat tick should run (time.monotonic())
+        self._skipped_judging = False
+        self._stalls = 0  # ticks that found this process had not been running
         self._closing = False
         self._accepted = self._opened = self._failed_handshakes = self._protocol_errors = 0
         self._bytes_read_directly = 0
@@ -536,16 +541,23 @@ class Transport:
     def _beat(self) -> None:
         cfg = self.config
         now = time.monotonic()
-        # A tick that runs late means this process did not run (stopped, a long GC or GIL
-        # hold): what the peers sent meanwhile waits unread in its sockets (libuv runs due
-        # timers before it polls), so this tick judges no one.
-        stalled = now - self._beat_due > max(cfg.heartbeat_interval, _STALL)
+        # A tick far behind its time means this process was not running (stopped, a C call
+        # holding the GIL, a stalled host): what its peers sent meanwhile still waits, unread,
+        # in the sockets (libuv runs due timers before it polls), and their silence is this
+        # process's own. Such a tick only sends; the loop reads what waits, and the next tick
+        # judges (never two ticks in a row skip, so a dead peer is still found, one interval
+        # later at most).
+        late = now - self._beat_due
+        judge = late < max(cfg.heartbeat_interval, _STALL) or self._skipped_judging
+        self._skipped_judging = not judge
+        if not judge:
+            self._stalls += 1
         heartbeat = encode_frame(Kind.HEARTBEAT, 0)
         for conn in list(self._conns):
             if conn.closed:
                 continue
             silent = now - conn.last_recv
-            if silent > cfg.peer_timeout and not stalled and not conn.readable_now():
+            if judge and silent > cfg.peer_timeout and not conn.readable_now():
                 conn.close(
                     PeerFailureError(
                         f"{conn.peer_label} sent nothing for {silent:.1f}s "
@@ -608,6 +620,7 @@ class Transport:
             dead_peers=tuple(sorted(self._dead)),
             bytes_read_directly=self._bytes_read_directly
             + sum(c.bytes_read_directly for c in list(self._conns)),
+            stalls=self._stalls,
         )
 
 
