@@ -48,17 +48,16 @@ from .._errors import (
     rpc_timeout_message,
 )
 from .._omp import join_openmp_runtime
-from .._transport._connection import Connection
-from .._transport._io import IoThread
-from .._transport._transport import (
-    FrameHandler,
-    LoopbackConnection,
+from .._transport._base import (
+    Link,
     PeerAddress,
     Transport,
     TransportConfig,
+    TransportFactory,
     TransportStatistics,
 )
-from .._wire._frames import Frame, Kind, encode_frame
+from .._transport._io import IoThread
+from .._wire._frames import Frame, Kind
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
@@ -73,8 +72,6 @@ __all__ = ["RpcAgent", "current_agent", "set_current_agent"]
 _log = logging.getLogger("distgrad.rpc")
 _TICK = 0.02  # resolution of rpc_async timeouts, seconds
 
-AnyConnection = Connection | LoopbackConnection
-
 _CPU_ONLY = (
     "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
     "CPU before sending them over RPC, or call `set_device_map` on "
@@ -86,8 +83,11 @@ _UDF_MISSING = (
 )
 
 
-class RpcAgent(FrameHandler):
-    """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``."""
+class RpcAgent:
+    """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``.
+
+    ``transport`` builds the transport that moves its frames (sockets for ``init_rpc``; see
+    ``distgrad._transport._base`` for the contract)."""
 
     def __init__(
         self,
@@ -95,6 +95,8 @@ class RpcAgent(FrameHandler):
         rank: int,
         world_size: int,
         options: TensorPipeRpcBackendOptions,
+        *,
+        transport: TransportFactory,
     ) -> None:
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
@@ -102,6 +104,7 @@ class RpcAgent(FrameHandler):
         self.options = options
         self.rpc_timeout = options.rpc_timeout
         self._io = IoThread()
+        self._transport_factory = transport
         self._transport: Transport | None = None
         self.address: PeerAddress | None = None
         self._by_name: dict[str, WorkerInfo] = {name: self.worker_info}
@@ -147,7 +150,7 @@ class RpcAgent(FrameHandler):
         )
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
-        self._transport = Transport(config, self._io, self, self._label)
+        self._transport = self._transport_factory(config, self._io, self, self._label)
         self.address = self._transport.listen(listen_host)
         return self.address
 
@@ -347,9 +350,7 @@ class RpcAgent(FrameHandler):
         encoded = encode((func, args))
         self._check_size(encoded, dst)
         if later:
-            conn.send_later(
-                encode_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
-            )
+            conn.send_frame_later(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
             return
         conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
 
@@ -516,7 +517,7 @@ class RpcAgent(FrameHandler):
             self._io.loop.call_later(_TICK, self._tick)
 
     # -- receiving (I/O thread) ------------------------------------------------------------------
-    def on_frame(self, conn: AnyConnection, frame: Frame) -> None:
+    def on_frame(self, conn: Link, frame: Frame) -> None:
         if frame.kind == Kind.REQUEST:
             try:
                 self._workers.submit(self._serve, conn, frame)
@@ -538,7 +539,7 @@ class RpcAgent(FrameHandler):
         call.frame = frame
         self._finish(call)
 
-    def on_connection_lost(self, conn: Connection, error: Exception, peer_dead: bool) -> None:
+    def on_connection_lost(self, conn: Link, error: Exception, *, peer_dead: bool) -> None:
         for cid in [cid for cid, call in self._calls.items() if call.conn is conn]:
             call = self._calls.pop(cid, None)
             if call is not None:
@@ -548,7 +549,7 @@ class RpcAgent(FrameHandler):
             for listener in list(self.peer_failure_listeners):
                 self._callbacks.submit(listener, conn.peer, error)
 
-    def _on_notify(self, conn: AnyConnection, frame: Frame) -> None:
+    def _on_notify(self, conn: Link, frame: Frame) -> None:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
         except BaseException as exc:
@@ -573,7 +574,7 @@ class RpcAgent(FrameHandler):
             _log.exception("unhandled error in the notification handler %r", func)
 
     # -- serving (worker threads) ----------------------------------------------------------------
-    def _serve(self, conn: AnyConnection, frame: Frame) -> None:
+    def _serve(self, conn: Link, frame: Frame) -> None:
         extension = _extension.get_extension()
         states: list[Any] = []
 
@@ -638,7 +639,7 @@ class RpcAgent(FrameHandler):
 
     def _serve_async(
         self,
-        conn: AnyConnection,
+        conn: Link,
         message_id: int,
         func: Any,
         args: Any,
@@ -657,7 +658,7 @@ class RpcAgent(FrameHandler):
 
         future.add_done_callback(respond)
 
-    def _reply(self, conn: AnyConnection, message_id: int, result: Any, state: Any) -> None:
+    def _reply(self, conn: Link, message_id: int, result: Any, state: Any) -> None:
         extension = _extension.get_extension()
         peer = conn.peer
         check = self._device_check("Response", peer)
@@ -732,14 +733,14 @@ class RpcAgent(FrameHandler):
             )
 
     def _reply_error(
-        self, conn: AnyConnection, message_id: int, exc: BaseException, builtin: bool = False
+        self, conn: Link, message_id: int, exc: BaseException, builtin: bool = False
     ) -> None:
         payload = error_payload(exc, str(self.worker_info), builtin)
         self._write(conn, Kind.ERROR, message_id, dumps(payload)[0])
 
     def _write(
         self,
-        conn: AnyConnection,
+        conn: Link,
         kind: int,
         message_id: int,
         meta: bytes,

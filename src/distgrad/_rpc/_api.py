@@ -18,6 +18,7 @@ import torch
 
 from .. import _config
 from .._errors import RpcTimeoutError
+from .._transport._transport import SocketTransport
 from . import _collectives, _rendezvous
 from ._agent import RpcAgent, current_agent, set_current_agent
 from ._calls import is_builtin
@@ -135,7 +136,7 @@ def init_rpc(
         store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         for hook in init_hooks:
             hook(rank)
-        agent = RpcAgent(name, rank, world_size, options)
+        agent = RpcAgent(name, rank, world_size, options, transport=SocketTransport)
         agent.keepalive += [store, iterator]
         try:
             secret = _rendezvous.agree_secret(store, rank, options)

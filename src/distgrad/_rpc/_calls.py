@@ -15,8 +15,7 @@ from ._pool import ThreadPool
 from ._remote_error import remember_traceback
 
 if TYPE_CHECKING:
-    from .._transport._connection import Connection
-    from .._transport._transport import LoopbackConnection
+    from .._transport._base import Link
     from .._wire._frames import Frame
 
 __all__ = ["RpcFuture", "check_async_result", "fresh_copy", "is_builtin", "set_future_error"]
@@ -133,7 +132,7 @@ class _Call:
     def __init__(
         self,
         cid: int,
-        conn: Connection | LoopbackConnection,
+        conn: Link,
         timeout: float,
         internal: bool,
         future: torch.futures.Future[Any] | None,
