@@ -67,7 +67,7 @@ from ._remote_error import error_payload, exception_from_payload
 from ._rref_context import RRefContext
 from ._worker_info import WorkerInfo
 
-__all__ = ["RpcAgent", "current_agent", "set_current_agent"]
+__all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
 
 _log = logging.getLogger("distgrad.rpc")
 _TICK = 0.02  # resolution of rpc_async timeouts, seconds
@@ -87,7 +87,9 @@ class RpcAgent:
     """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``.
 
     ``transport`` builds the transport that moves its frames (sockets for ``init_rpc``; see
-    ``distgrad._transport._base`` for the contract)."""
+    ``distgrad._transport._base`` for the contract). An ``isolated`` agent shares its process
+    with other agents (an in-memory test world): every thread it owns is bound to it
+    (:func:`bind_thread`), and the layers above keep their per-worker state for it apart."""
 
     def __init__(
         self,
@@ -97,13 +99,18 @@ class RpcAgent:
         options: TensorPipeRpcBackendOptions,
         *,
         transport: TransportFactory,
+        isolated: bool = False,
     ) -> None:
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
         self.options = options
         self.rpc_timeout = options.rpc_timeout
-        self._io = IoThread()
+        self.isolated = isolated
+        bind = self._bind_thread if isolated else None
+        #: per-worker state of the layers above, for isolated agents (keyed by the layer's key)
+        self.layer_state: dict[object, object] = {}
+        self._io = IoThread(on_start=bind)
         self._transport_factory = transport
         self._transport: Transport | None = None
         self.address: PeerAddress | None = None
@@ -116,8 +123,8 @@ class RpcAgent:
         self._wheel: dict[int, set[int]] = {}
         self._wheel_lock = threading.Lock()
         self._ticking = False
-        self._workers = ThreadPool("distgrad-worker", options.num_worker_threads)
-        self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads)
+        self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
+        self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._running = False
         self._stopped = False
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
@@ -128,6 +135,9 @@ class RpcAgent:
         self._device_checks: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
         self._peer_limits: dict[int, int] = {}  # peers accepting less than this worker
         self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
+
+    def _bind_thread(self) -> None:
+        bind_thread(self)
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -793,8 +803,26 @@ class RpcAgent:
 _current: RpcAgent | None = None
 
 
+class _ThreadAgent(threading.local):
+    agent: RpcAgent | None = None  # class default: an unbound thread reads None
+
+
+#: The agent the calling thread belongs to, where several share the process (else None).
+thread_binding = _ThreadAgent()
+
+
 def current_agent() -> RpcAgent | None:
-    return _current
+    """The agent of the calling thread: the one it is bound to (in-memory worlds), else the
+    process's (``init_rpc``)."""
+    bound = thread_binding.agent
+    return bound if bound is not None else _current
+
+
+def bind_thread(agent: RpcAgent | None) -> RpcAgent | None:
+    """Make ``agent`` the calling thread's agent (``None``: unbind); returns the previous one."""
+    previous = thread_binding.agent
+    thread_binding.agent = agent
+    return previous
 
 
 def set_current_agent(agent: RpcAgent | None) -> None:
