@@ -7,6 +7,8 @@ RuntimeError, match=...)``) keeps catching what it caught before. The branches f
 * :class:`RpcTimeoutError` -- a call ran past its deadline (message as torch's ``RPCErr:1:...``).
 * :class:`PeerFailureError` -- the other side died or went away (broken, not closed by us).
 * :class:`RpcShutdownError` -- this worker's agent is shut down (closed by us).
+* :class:`InjectedFailureError` -- a send that fault injection failed on purpose (tests only;
+  torch's ``RPCErr:2:Send attempt failed intentionally ...``).
 * :class:`ProtocolError` -- bytes from a socket broke the wire protocol; :class:`HandshakeError`
   and :class:`MessageTooLargeError` are its kinds. These never escape to user code: they drop
   one connection and are logged.
@@ -36,6 +38,10 @@ class PeerFailureError(DistgradError):
 
 class RpcShutdownError(DistgradError):
     """The local RPC agent is shut down or shutting down."""
+
+
+class InjectedFailureError(DistgradError):
+    """A send failed on purpose: fault injection (``FAULTY_TENSORPIPE``, ``distgrad.testing``)."""
 
 
 class ProtocolError(DistgradError):

@@ -41,6 +41,7 @@ import torch
 from .. import _config
 from .._errors import (
     DistgradError,
+    InjectedFailureError,
     MessageTooLargeError,
     PeerFailureError,
     RpcShutdownError,
@@ -50,6 +51,7 @@ from .._errors import (
 from .._omp import join_openmp_runtime
 from .._transport._base import (
     Link,
+    MessageInfo,
     PeerAddress,
     Transport,
     TransportConfig,
@@ -61,6 +63,7 @@ from .._wire._frames import Frame, Kind
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
+from ._messages import describe_request, describe_response
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload
@@ -71,6 +74,8 @@ __all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thr
 
 _log = logging.getLogger("distgrad.rpc")
 _TICK = 0.02  # resolution of rpc_async timeouts, seconds
+_RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
+_RETRY_BACKOFF = 0.05  # seconds before the first retry; doubles each time
 
 _CPU_ONLY = (
     "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
@@ -113,6 +118,7 @@ class RpcAgent:
         self._io = IoThread(on_start=bind)
         self._transport_factory = transport
         self._transport: Transport | None = None
+        self._describe = False  # whether the transport wants a MessageInfo with each frame
         self.address: PeerAddress | None = None
         self._by_name: dict[str, WorkerInfo] = {name: self.worker_info}
         self._by_rank: dict[int, WorkerInfo] = {rank: self.worker_info}
@@ -161,6 +167,7 @@ class RpcAgent:
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
         self._transport = self._transport_factory(config, self._io, self, self._label)
+        self._describe = self._transport.wants_message_info
         self.address = self._transport.listen(listen_host)
         return self.address
 
@@ -238,15 +245,18 @@ class RpcAgent:
         conn = self._transport.connection(dst.id)
         extension = _extension.get_extension()
         check = self._device_check("Request", dst.id)
+        made: list[object] = []  # the extension's ext, once made
         if extension is None or internal or not extension.active():
             extension = None
             encoded = encode(payload, device_check=check)
         else:
-            encoded = encode(
-                payload,
-                lambda tensors: extension.outgoing_request(dst.id, tensors, force),
-                check,
-            )
+
+            def make_ext(tensors: list[torch.Tensor]) -> Any:
+                assert extension is not None
+                made.append(extension.outgoing_request(dst.id, tensors, force))
+                return made[-1]
+
+            encoded = encode(payload, make_ext, check)
         self._check_size(encoded, dst.id)
         cid = next(self._ids)
         call = _Call(cid, conn, self._effective_timeout(timeout), internal, future, callback)
@@ -255,7 +265,14 @@ class RpcAgent:
                 self._active += 1
         self._calls[cid] = call
         try:
-            conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
+            if self._describe:
+                wrapped = bool(made) and made[0] is not None
+                info = describe_request(payload[0], payload[1], wrapped=wrapped)
+                conn.send_frame(
+                    Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
+                )
+            else:
+                conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
         except BaseException:
             if self._calls.pop(cid, None) is not None:
                 self._done(call)
@@ -326,7 +343,11 @@ class RpcAgent:
             )
         future = RpcFuture()
         future._pool = self._workers
-        cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
+        try:
+            cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
+        except InjectedFailureError as exc:  # as torch's faulty agent: a failed future
+            set_future_error(future, exc)
+            return future
         if call.timeout > 0:
             self._arm_timeout(cid, call)
         return future
@@ -359,42 +380,58 @@ class RpcAgent:
         conn = self.transport.connection(dst)
         encoded = encode((func, args))
         self._check_size(encoded, dst)
+        info = describe_request(func, args, wrapped=False) if self._describe else None
         if later:
-            conn.send_frame_later(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
+            conn.send_frame_later(
+                Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info
+            )
             return
-        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
+        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
 
     def peer_is_dead(self, dst: int) -> bool:
         """True once worker ``dst`` is known to be dead."""
         return self._transport is not None and self._transport.is_dead(dst)
 
     def send_with_retries(
-        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = 3
+        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
     ) -> torch.futures.Future[Any]:
         """An internal message whose handler is idempotent (the reference's
-        ``sendWithRetries``): a failure other than a dead peer or a stopped agent is retried.
-        The future completes with the result or the last error."""
+        ``sendWithRetries``): a failure other than a dead peer or a stopped agent is retried,
+        after a pause that doubles each time (``_RETRY_BACKOFF``). The future completes with
+        the result or the last error."""
         result: torch.futures.Future[Any] = torch.futures.Future()
+
+        def failed(exc: BaseException, left: int) -> None:
+            if isinstance(exc, (PeerFailureError, RpcShutdownError)) or left <= 1:
+                set_future_error(result, exc)
+                return
+            pause = _RETRY_BACKOFF * 2 ** (attempts - left)
+
+            def retry() -> None:  # on the I/O thread: the attempt may block, so not here
+                try:
+                    self._callbacks.submit(attempt, left - 1)
+                except RuntimeError:  # the pool is stopped: this agent stopped
+                    set_future_error(result, exc)
+
+            try:
+                self._io.call_soon(self._io.loop.call_later, pause, retry)
+            except RuntimeError:  # the I/O loop is gone: this agent stopped
+                set_future_error(result, exc)
 
         def attempt(left: int) -> None:
             try:
                 future = self.call_async(
                     self.get_worker_info(dst), func, args, {}, 0, internal=True
                 )
-            except BaseException as exc:  # the peer is gone or this agent is stopping
+            except BaseException as exc:  # the peer is gone, this agent stops, bad arguments
                 set_future_error(result, exc)
                 return
 
             def done(answered: torch.futures.Future[Any]) -> None:
                 try:
                     value = answered.wait()
-                except (PeerFailureError, RpcShutdownError) as exc:
-                    set_future_error(result, exc)
                 except BaseException as exc:
-                    if left > 1:
-                        attempt(left - 1)
-                    else:
-                        set_future_error(result, exc)
+                    failed(exc, left)
                 else:
                     result.set_result(value)
 
@@ -610,6 +647,9 @@ class RpcAgent:
         finally:
             unconfirmed = RRefContext.stop_collecting(previous)
         del frame.buffers[:]
+        if self._describe:  # replies go out described (fault injection)
+            wrapped = bool(states) and states[0] is not None
+            conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
         if unconfirmed:  # RRefs in the arguments: run once their owners know them
             try:
                 self._wait_confirmed(unconfirmed)
@@ -798,6 +838,53 @@ class RpcAgent:
         self._io.stop()
         self.keepalive.clear()
         self.rref_leaks = self.rrefs.destroy()
+
+
+class _ReplyLink:
+    """The link of a request, for its replies, where the transport wants each frame described:
+    it describes them as the response (or error) to that request."""
+
+    def __init__(self, link: Link, request: MessageInfo) -> None:
+        self._link = link
+        self._request = request
+        self.peer = link.peer
+        self.peer_label = link.peer_label
+
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
+
+    def send_frame(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        described = describe_response(self._request, error=kind == Kind.ERROR)
+        self._link.send_frame(kind, message_id, meta, buffers, flags, info=described)
+
+    def send_frame_later(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        described = describe_response(self._request, error=kind == Kind.ERROR)
+        self._link.send_frame_later(kind, message_id, meta, buffers, flags, info=described)
+
+    def broken_error(self) -> DistgradError:
+        return self._link.broken_error()
+
+    def close(self, error: Exception | None = None) -> None:
+        self._link.close(error)
 
 
 _current: RpcAgent | None = None

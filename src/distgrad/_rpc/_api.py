@@ -18,12 +18,15 @@ import torch
 
 from .. import _config
 from .._errors import RpcTimeoutError
+from .._transport._base import TransportFactory
+from .._transport._faulty import FaultyTransport
 from .._transport._transport import SocketTransport
 from . import _collectives, _rendezvous
 from ._agent import RpcAgent, current_agent, set_current_agent
 from ._calls import is_builtin
 from ._options import (
     BackendType,
+    FaultyTensorPipeRpcBackendOptions,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     construct_rpc_backend_options,
@@ -76,6 +79,15 @@ def _to_options(options: object) -> TensorPipeRpcBackendOptions:
     """Accept our options, or torch's own TensorPipe options object (copied over)."""
     if isinstance(options, TensorPipeRpcBackendOptions):
         return options
+    if hasattr(options, "messages_to_fail"):  # torch's FaultyTensorPipeRpcBackendOptions
+        return FaultyTensorPipeRpcBackendOptions(
+            int(getattr(options, "num_worker_threads", 16)),
+            float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
+            str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
+            list(getattr(options, "messages_to_fail", [])),
+            dict(getattr(options, "messages_to_delay", {})),
+            int(getattr(options, "num_fail_sends", 0)),
+        )
     converted = TensorPipeRpcBackendOptions(
         num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
         rpc_timeout=float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
@@ -123,7 +135,17 @@ def init_rpc(
         raise TypeError(
             f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {rpc_backend_options}"
         )
+    if backend.name == "FAULTY_TENSORPIPE" and not isinstance(
+        rpc_backend_options, FaultyTensorPipeRpcBackendOptions
+    ):
+        raise TypeError(
+            "`rpc_backend_options` must be a `FaultyTensorPipeRpcBackendOptions`. "
+            f"{rpc_backend_options}"
+        )
     options = _to_options(rpc_backend_options)
+    transport: TransportFactory = SocketTransport
+    if isinstance(options, FaultyTensorPipeRpcBackendOptions):
+        transport = FaultyTransport.factory(SocketTransport, options.fault_plan())
     validate_worker_name(name)
     with _init_lock:
         if current_agent() is not None:
@@ -136,7 +158,7 @@ def init_rpc(
         store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         for hook in init_hooks:
             hook(rank)
-        agent = RpcAgent(name, rank, world_size, options, transport=SocketTransport)
+        agent = RpcAgent(name, rank, world_size, options, transport=transport)
         agent.keepalive += [store, iterator]
         try:
             secret = _rendezvous.agree_secret(store, rank, options)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._calls import set_future_error
+from ._messages import message_type
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -427,6 +428,7 @@ def _context() -> RRefContext | None:
 
 
 # -- handlers of the protocol messages (run on the receiving worker) ---------------------------
+@message_type("RREF_FORK_REQUEST")
 def _fork_request(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
     """On the owner: a user forwarded the RRef; register the new user's fork."""
     ctx = _context()
@@ -434,6 +436,7 @@ def _fork_request(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         ctx.add_fork(rref_id, fork_id)
 
 
+@message_type("RREF_CHILD_ACCEPT")
 def _child_accept(fork_id: GloballyUniqueId) -> None:
     """On a parent user: the owner knows the child now; stop holding the parent for it."""
     ctx = _context()
@@ -441,6 +444,7 @@ def _child_accept(fork_id: GloballyUniqueId) -> None:
         ctx.del_pending_child(fork_id)
 
 
+@message_type("RREF_USER_DELETE")
 def _user_deletes(pairs: list[tuple[GloballyUniqueId, GloballyUniqueId]]) -> None:
     """On the owner: these users are gone."""
     ctx = _context()

@@ -23,11 +23,12 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .._transport._base import TransportFactory
+from .._transport._faulty import Fault, FaultPlan, FaultyTransport
 from .._transport._inmemory import MemoryNetwork
 from . import _api
 from ._agent import RpcAgent, bind_thread
@@ -64,10 +65,18 @@ def world_options(
 class World:
     """The agents of an in-memory world (made by :func:`open_world`)."""
 
-    def __init__(self, agents: list[RpcAgent], network: MemoryNetwork, timeout: float) -> None:
+    def __init__(
+        self,
+        agents: list[RpcAgent],
+        network: MemoryNetwork,
+        timeout: float,
+        faults: FaultPlan | None = None,
+    ) -> None:
         self.agents = agents
         self.network = network
         self.timeout = timeout
+        #: the fault plan of every worker's transport (``open_world(..., faults=...)``)
+        self.faults = faults
         self._killed: set[int] = set()
 
     def __repr__(self) -> str:
@@ -167,25 +176,28 @@ def open_world(
     world_size: int,
     *,
     options: TensorPipeRpcBackendOptions | None = None,
-    wrap: Callable[[TransportFactory, int], TransportFactory] | None = None,
+    faults: FaultPlan | Iterable[Fault] | None = None,
     timeout: float = 30.0,
 ) -> Iterator[World]:
     """Start ``world_size`` agents named ``worker0`` ... in this process; shut them down on exit.
 
-    ``options`` defaults to :func:`world_options`; ``wrap(factory, rank)`` may wrap each
-    worker's transport factory (fault injection); ``timeout`` bounds each :meth:`World.run` and
-    the shutdown."""
+    ``options`` defaults to :func:`world_options`. With ``faults`` (rules, or a plan), every
+    worker's transport injects them (``World.faults`` is the plan; an empty list gives a plan
+    to add rules to later). ``timeout`` bounds each :meth:`World.run` and the shutdown."""
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     options = options if options is not None else world_options()
+    plan = None
+    if faults is not None:
+        plan = faults if isinstance(faults, FaultPlan) else FaultPlan(faults)
     network = MemoryNetwork()
     agents: list[RpcAgent] = []
     try:
         addresses = {}
         for rank in range(world_size):
             factory: TransportFactory = network.factory
-            if wrap is not None:
-                factory = wrap(factory, rank)
+            if plan is not None:
+                factory = FaultyTransport.factory(factory, plan)
             agent = RpcAgent(
                 f"worker{rank}", rank, world_size, options, transport=factory, isolated=True
             )
@@ -204,7 +216,7 @@ def open_world(
         for agent in agents:
             agent.stop(graceful=False)
         raise
-    world = World(agents, network, timeout)
+    world = World(agents, network, timeout, plan)
     try:
         yield world
     except BaseException:

@@ -33,7 +33,7 @@ import pickle
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._errors import DistgradError
 from .._wire._frames import Frame
@@ -45,7 +45,9 @@ __all__ = [
     "FrameHandler",
     "Link",
     "MessageInfo",
+    "Pausable",
     "PeerAddress",
+    "Severable",
     "Transport",
     "TransportConfig",
     "TransportFactory",
@@ -100,12 +102,14 @@ class MessageInfo:
 
     ``type`` is torch's message type name where there is one (``PYTHON_CALL``,
     ``RREF_FORK_REQUEST``, ``BACKWARD_AUTOGRAD_REQ``, ``PYTHON_RET``, ``EXCEPTION`` ...);
-    ``function`` the qualified name of the function the request calls (for a response: the
-    function of its request); ``request`` is False for responses."""
+    ``wrapper`` the type of torch's message around it, if any (``FORWARD_AUTOGRAD_REQ`` for a
+    call that distributed autograd records); ``function`` the qualified name of the function
+    the request calls (for a response: its request's); ``request`` is False for responses."""
 
     type: str
     function: str
     request: bool = True
+    wrapper: str | None = None
 
 
 class Link(Protocol):
@@ -149,6 +153,10 @@ class Link(Protocol):
         """The error for a send on (or a wait for) this link once it is closed."""
         ...
 
+    def close(self, error: Exception | None = None) -> None:
+        """Close now (any thread); ``error`` says why (``None``: an orderly close)."""
+        ...
+
 
 class FrameHandler(Protocol):
     """What a transport calls (the RPC agent implements it); on the I/O thread."""
@@ -189,6 +197,26 @@ class Transport(Protocol):
         ...
 
     def statistics(self) -> TransportStatistics: ...
+
+
+@runtime_checkable
+class Severable(Protocol):
+    """A transport that can cut its links to one peer (for fault injection)."""
+
+    def sever(self, rank: int) -> None:
+        """Close every link with ``rank`` abruptly: each side sees the other die."""
+        ...
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """A transport that can be frozen (for fault injection)."""
+
+    def pause(self) -> None:
+        """Stop receiving, sending and heartbeating -- as a stopped process -- until resumed."""
+        ...
+
+    def resume(self) -> None: ...
 
 
 class TransportFactory(Protocol):

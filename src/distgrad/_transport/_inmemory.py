@@ -148,6 +148,8 @@ class MemoryLink:
                 self._later.clear()
             if not data:
                 return
+            if self._transport.paused and self._transport.hold(False, self.send_bytes, data):
+                return  # frozen: it goes out when the worker is resumed
             other = self.other
             assert other is not None
             try:
@@ -161,6 +163,8 @@ class MemoryLink:
 
     # -- receiving (this end's I/O thread) ---------------------------------------------------------
     def _receive(self, data: bytes) -> None:
+        if self._transport.paused and self._transport.hold(True, self._receive, data):
+            return
         if self._closed:
             return
         self.last_recv = time.monotonic()
@@ -193,6 +197,8 @@ class MemoryLink:
 
     def _on_eof(self) -> None:
         """The other end closed (after everything it sent was received)."""
+        if self._transport.paused and self._transport.hold(True, self._on_eof):
+            return
         if self.goodbye_received:
             self.close(None)
         else:
@@ -273,6 +279,9 @@ class MemoryTransport:
         self._heartbeat: asyncio.TimerHandle | None = None
         self._closing = False
         self._accepted = self._opened = self._protocol_errors = 0
+        self.paused = False
+        # (incoming, function, arguments) of what waits for resume()
+        self._held: list[tuple[bool, Callable[..., None], tuple[object, ...]]] = []
 
     def __repr__(self) -> str:
         return (
@@ -368,6 +377,9 @@ class MemoryTransport:
 
     def _beat(self) -> None:
         config = self.config
+        if self.paused:  # a frozen worker neither beats nor checks on its peers
+            self._heartbeat = self.io.loop.call_later(config.heartbeat_interval, self._beat)
+            return
         now = time.monotonic()
         for link in list(self._links):
             if link.closed:
@@ -390,6 +402,54 @@ class MemoryTransport:
                 pass
         if not self._closing:
             self._heartbeat = self.io.loop.call_later(config.heartbeat_interval, self._beat)
+
+    # -- fault injection -------------------------------------------------------------------------
+    def sever(self, rank: int) -> None:
+        """Close every link with ``rank`` abruptly: each side takes the other for dead."""
+        label = self._label(rank)
+        error = PeerFailureError(f"the connection to {label} was severed", label)
+        with self._lock:
+            links = [link for link in self._links if link.peer == rank]
+            self._dead.setdefault(rank, error)  # at once: the next send must not reconnect
+        for link in links:
+            link.close(error)
+
+    def pause(self) -> None:
+        """Freeze this worker's links: what arrives waits, what it sends waits, no heartbeats
+        go out (so peers presume it dead after their ``peer_timeout``) -- until :meth:`resume`."""
+        with self._lock:
+            self.paused = True
+
+    def resume(self) -> None:
+        """Deliver what waited, in order, then send what waited."""
+        with self._lock:
+            self.paused = False
+            held, self._held = self._held, []
+            links = list(self._links)
+        now = time.monotonic()
+        for link in links:  # its silence was ours: do not take the peers for dead now
+            link.last_recv = now
+
+        def replay() -> None:
+            for incoming, fn, args in held:
+                if incoming:
+                    fn(*args)
+
+        self.io.call_soon(replay)
+        for incoming, fn, args in held:
+            if not incoming:
+                try:
+                    fn(*args)
+                except PeerFailureError:
+                    pass
+
+    def hold(self, incoming: bool, fn: Callable[..., None], *args: object) -> bool:
+        """Keep a delivery (``incoming``) or a send for :meth:`resume`; False if not paused."""
+        with self._lock:
+            if not self.paused:
+                return False
+            self._held.append((incoming, fn, args))
+            return True
 
     # -- teardown ----------------------------------------------------------------------------------
     def close(self, graceful: bool) -> None:

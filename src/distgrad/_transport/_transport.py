@@ -84,6 +84,9 @@ class LoopbackConnection:
     def broken_error(self) -> RpcShutdownError:
         return RpcShutdownError("RPC agent is shut down")
 
+    def close(self, error: Exception | None = None) -> None:
+        self.closed = True
+
     def __init__(self, transport: SocketTransport, rank: int, label: str) -> None:
         self.peer = rank
         self.peer_label = label
@@ -415,6 +418,15 @@ class SocketTransport:
             listener.close()
         for task in list(self._handshakes):
             task.cancel()
+
+    def sever(self, rank: int) -> None:
+        """Close every connection with ``rank`` abruptly (fault injection): no goodbye, so
+        both sides take the other for dead."""
+        label = self._label(rank)
+        error = PeerFailureError(f"the connection to {label} was severed", label)
+        self._dead.setdefault(rank, error)  # at once: the next send must not reconnect
+        for conn in [c for c in list(self._conns) if c.peer == rank]:
+            conn.close(error)
 
     def statistics(self) -> TransportStatistics:
         return TransportStatistics(
