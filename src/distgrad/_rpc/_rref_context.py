@@ -239,7 +239,10 @@ class RRefContext:
             rref = self._pending_users.pop(fork_id, None)
         if rref is not None:
             rref._settle(error)
-            if error is None:
+            # A creation that timed out may still have reached the owner (its fork registered
+            # there): such a user is deleted like a confirmed one, at shutdown too (a delete of
+            # a fork the owner never saw is a no-op there).
+            if error is None or rref._timed_out:
                 self.add_confirmed_user(rref)
 
     def add_confirmed_user(self, rref: RRef[Any]) -> None:
