@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ._errors import InjectedFailureError
 from ._rpc._agent import current_agent
-from ._rpc._world import World, WorldTimeout, open_world, world_options
+from ._rpc._world import World, WorldTimeout, open_world, worker_thread, world_options
 from ._transport._faulty import AppliedFault, Fault, FaultPlan, FaultyTransport
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "WorldTimeout",
     "current_fault_plan",
     "open_world",
+    "worker_thread",
     "world_options",
 ]
 

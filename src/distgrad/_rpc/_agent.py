@@ -358,12 +358,18 @@ class RpcAgent:
         func: Any,
         args: tuple[Any, ...],
         on_done: Callable[[Any, BaseException | None], None],
+        timeout: float = -1.0,
     ) -> None:
-        """An internal request with no timeout and no future: ``on_done(result, error)`` is called
-        where the answer arrives -- the I/O thread, normally; the sending thread if the send
-        itself fails after the call was registered -- so it must be quick and must not block.
-        Raises (and does not call ``on_done``) if the request cannot be sent at all."""
-        self._send(self.get_worker_info(dst), (func, args, {}), 0, None, True, False, on_done)
+        """An internal request with no future: ``on_done(result, error)`` is called where the
+        answer arrives -- the I/O thread, normally; the sending thread if the send itself fails
+        after the call was registered; the timer when it times out (``timeout`` seconds, -1:
+        the default RPC timeout, as torch's gradient messages; 0: none) -- so it must be quick
+        and must not block. Raises (and does not call ``on_done``) if the request cannot be
+        sent at all."""
+        info = self.get_worker_info(dst)
+        cid, call = self._send(info, (func, args, {}), timeout, None, True, False, on_done)
+        if call.timeout > 0:
+            self._arm_timeout(cid, call)
 
     def notify(self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False) -> None:
         """Send a one-way internal message: the receiver runs ``func(*args)`` and answers

@@ -31,11 +31,11 @@ from .._transport._base import TransportFactory
 from .._transport._faulty import Fault, FaultPlan, FaultyTransport
 from .._transport._inmemory import MemoryNetwork
 from . import _api
-from ._agent import RpcAgent, bind_thread
+from ._agent import RpcAgent, bind_thread, current_agent
 from ._options import TensorPipeRpcBackendOptions
 from ._worker_info import WorkerInfo
 
-__all__ = ["World", "WorldTimeout", "open_world"]
+__all__ = ["World", "WorldTimeout", "open_world", "worker_thread", "world_options"]
 
 T = TypeVar("T")
 _SECRET = b"in-memory world"
@@ -155,6 +155,23 @@ class World:
         finally:
             for agent in self.agents:
                 agent.stop(graceful=False)
+
+
+def worker_thread(target: Callable[..., object], *args: object) -> threading.Thread:
+    """A thread (not started) that runs ``target(*args)`` as part of the calling thread's worker.
+    In a world, a thread your code starts belongs to no worker (thread-locals are not
+    inherited); one made here is bound to the same agent. In a real worker it is a plain
+    thread."""
+    agent = current_agent()
+
+    def run() -> None:
+        bind_thread(agent if agent is not None and agent.isolated else None)
+        try:
+            target(*args)
+        finally:
+            bind_thread(None)
+
+    return threading.Thread(target=run, daemon=True)
 
 
 def _shutdown(rank: int, timeout: float) -> None:

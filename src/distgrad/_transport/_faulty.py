@@ -63,7 +63,7 @@ class Fault:
     for ``remote()`` the function run on the owner); ``src``/``dst`` the sending and receiving
     ranks. ``nth`` picks only the n-th matching message (1-based), ``times`` the first that
     many (default: every match); ``seconds`` is the delay, ``hold`` how long ``reorder`` waits
-    for a next frame at most."""
+    for a next frame at most. ``on_fire`` lets a test act at that moment (kill a worker ...)."""
 
     action: Action
     type: str | None = None
@@ -74,6 +74,8 @@ class Fault:
     times: int | None = None
     seconds: float = 0.0
     hold: float = 0.5
+    #: called (on the sending thread, so it must not block) each time the rule fires
+    on_fire: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if self.action not in _ACTIONS:
@@ -196,6 +198,9 @@ class FaultPlan:
                     break
             for fault in chosen:
                 self.applied.append(AppliedFault(fault.action, src, dst, info.type, info.function))
+        for fault in chosen:
+            if fault.on_fire is not None:
+                fault.on_fire()
         return chosen
 
     # -- controls ------------------------------------------------------------------------------
