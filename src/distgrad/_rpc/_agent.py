@@ -402,8 +402,9 @@ class RpcAgent:
         self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
     ) -> torch.futures.Future[Any]:
         """An internal message whose handler is idempotent (the reference's
-        ``sendWithRetries``): a failure other than a dead peer or a stopped agent is retried,
-        after a pause that doubles each time (``_RETRY_BACKOFF``). The future completes with
+        ``sendWithRetries``): a failure other than a dead peer or a stopped agent -- a timeout
+        (each attempt has the default RPC timeout) included -- is retried, after a pause that
+        doubles each time (``_RETRY_BACKOFF``). The future completes with
         the result or the last error."""
         result: torch.futures.Future[Any] = torch.futures.Future()
 
@@ -426,9 +427,8 @@ class RpcAgent:
 
         def attempt(left: int) -> None:
             try:
-                future = self.call_async(
-                    self.get_worker_info(dst), func, args, {}, 0, internal=True
-                )
+                # the default timeout: an attempt that is lost is retried after it
+                future = self.call_async(self.get_worker_info(dst), func, args, {}, internal=True)
             except BaseException as exc:  # the peer is gone, this agent stops, bad arguments
                 set_future_error(result, exc)
                 return
