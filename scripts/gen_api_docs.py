@@ -4,10 +4,11 @@
     python scripts/gen_api_docs.py --check   # exit 1 if docs/api.md is out of date
 
 For each public module (``distgrad.rpc``, ``distgrad.autograd``, ``distgrad.optim``,
-``distgrad.nn``, and ``distgrad.profiler`` when it exists) every name in ``__all__`` is listed
-with its signature and docstring; classes also list their public methods and properties
-(those defined by distgrad, not the ones inherited from torch or ``object``); submodules in
-``__all__`` (``rpc.api``, ``rpc.constants``, ``rpc.functions``) get their own section.
+``distgrad.nn``, ``distgrad.testing``, and ``distgrad.profiler`` when it exists) every name in
+``__all__`` is listed with its signature and docstring; classes also list their public methods
+and properties (those defined by distgrad, not the ones inherited from torch or ``object``);
+submodules in ``__all__`` (``rpc.api``, ``rpc.constants``, ``rpc.functions``) get their own
+section.
 tests/unit/test_api_docs.py fails when the file is out of date.
 """
 
@@ -32,10 +33,12 @@ MODULES = [
     "distgrad.optim",
     "distgrad.nn",
     "distgrad.profiler",
+    "distgrad.testing",
 ]
 PAGES = {  # hand-written pages that say more about a module
     "distgrad.optim": "optim.md",
     "distgrad.nn": "nn.md",
+    "distgrad.testing": "testing-fault-tolerance.md",
 }
 
 HEADER = """\
@@ -234,6 +237,9 @@ def _render_module(
 
 def render() -> str:
     """The whole page."""
+    # torch's _testing registers FAULTY_TENSORPIPE; list it always, not only when a test or a
+    # program happened to import it first
+    importlib.import_module("distgrad.rpc._testing")
     lines = [HEADER]
     seen: dict[int, str] = {}
     for name in MODULES:

@@ -8,6 +8,8 @@ RuntimeError, match=...)``) keeps catching what it caught before. The branches f
   also a ``TimeoutError``, so ``except TimeoutError`` catches it too.
 * :class:`PeerFailureError` -- the other side died or went away (broken, not closed by us).
 * :class:`RpcShutdownError` -- this worker's agent is shut down (closed by us).
+* :class:`InjectedFailureError` -- a send that fault injection failed on purpose (tests only;
+  torch's ``RPCErr:2:Send attempt failed intentionally ...``).
 * :class:`ProtocolError` -- bytes from a socket broke the wire protocol; :class:`HandshakeError`
   and :class:`MessageTooLargeError` are its kinds. A malformed frame from a connected peer stays
   in the transport: it drops that one connection and is logged, and the calls waiting on the
@@ -67,6 +69,10 @@ class RpcShutdownError(DistgradError):
     """The local RPC agent is shut down or shutting down: calls still waiting when
     ``shutdown(graceful=False)`` ran fail with it ("RPC agent was shut down before the call
     completed"), and so do requests that reach a worker after it stopped serving."""
+
+
+class InjectedFailureError(DistgradError):
+    """A send failed on purpose: fault injection (``FAULTY_TENSORPIPE``, ``distgrad.testing``)."""
 
 
 class ProtocolError(DistgradError):

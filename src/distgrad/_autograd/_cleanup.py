@@ -19,7 +19,7 @@ __all__ = ["after_release"]
 
 _log = logging.getLogger("distgrad.autograd")
 
-_CLEANUP_ATTEMPTS = 3
+_CLEANUP_ATTEMPTS = 5  # as the RPC layer's retries (an injected fault may fail the first ones)
 
 
 @after_current_task

@@ -10,8 +10,10 @@ counter per kind that only ever grows: an id never repeats within a process, not
 repeated :meth:`ContextContainer.init` with the same worker id (only
 :meth:`ContextContainer.reset_for_tests` starts over).
 
-This module is pure bookkeeping: it knows nothing of RPC. The engine sets :data:`on_release`
-so that leaving a :class:`context` also tells the context's known workers to release it.
+This module is bookkeeping: of RPC it knows only which worker a thread belongs to (in-memory
+test worlds run several in one process, see :class:`WorkerContainer`). The engine sets
+:data:`on_release` so that leaving a :class:`context` also tells the context's known workers to
+release it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,22 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
 import torch
 
-__all__ = ["CONTAINER", "ContextContainer", "DistAutogradContext", "context", "on_release"]
+from .._rpc._agent import thread_binding
+
+__all__ = [
+    "CONTAINER",
+    "ContextContainer",
+    "DistAutogradContext",
+    "WorkerContainer",
+    "context",
+    "on_release",
+]
 
 MAX_WORKER_ID = 0xFFFF
 _ID_BITS = 48
@@ -397,8 +409,98 @@ class ContextContainer:
             local.context_id = previous
 
 
-CONTAINER = ContextContainer()
-"""The process-wide container."""
+class WorkerContainer:
+    """:data:`CONTAINER`: the container of the worker the calling thread belongs to.
+
+    In a process with one agent -- every real run -- that is the process's own container
+    (:attr:`process`), whatever the thread. An in-memory test world runs several agents in one
+    process; each is *isolated*, and every thread it owns (and each thread the world runs a
+    worker's code on) is bound to it (``_rpc._agent.bind_thread``): such a thread gets its
+    agent's own container, created on first use. The cost where no thread is bound: one
+    thread-local read per call."""
+
+    def __init__(self) -> None:
+        self.process = ContextContainer()
+
+    def get(self) -> ContextContainer:
+        """The calling thread's container."""
+        agent = thread_binding.agent
+        if agent is None:
+            return self.process
+        found = agent.layer_state.get(ContextContainer)
+        if found is None:
+            found = agent.layer_state.setdefault(ContextContainer, ContextContainer())
+        assert isinstance(found, ContextContainer)
+        return found
+
+    def init(self, worker_id: int) -> None:
+        self.get().init(worker_id)
+
+    @property
+    def worker_id(self) -> int:
+        return self.get().worker_id
+
+    @property
+    def initialized(self) -> bool:
+        return self.get().initialized
+
+    def reset_for_tests(self) -> None:
+        self.get().reset_for_tests()
+
+    def new_autograd_message_id(self) -> int:
+        return self.get().new_autograd_message_id()
+
+    def max_id(self) -> int:
+        return self.get().max_id()
+
+    def new_context(self) -> DistAutogradContext:
+        return self.get().new_context()
+
+    def get_or_create_context(self, context_id: int) -> DistAutogradContext:
+        return self.get().get_or_create_context(context_id)
+
+    def retrieve_context(self, context_id: int) -> DistAutogradContext:
+        return self.get().retrieve_context(context_id)
+
+    def get_context(self, context_id: int) -> DistAutogradContext | None:
+        return self.get().get_context(context_id)
+
+    def has_context(self, context_id: int) -> bool:
+        return self.get().has_context(context_id)
+
+    def release_context(self, context_id: int) -> DistAutogradContext:
+        return self.get().release_context(context_id)
+
+    def release_context_if_present(self, context_id: int) -> DistAutogradContext | None:
+        return self.get().release_context_if_present(context_id)
+
+    def num_contexts(self) -> int:
+        return self.get().num_contexts()
+
+    def debug_info(self) -> dict[str, int]:
+        return self.get().debug_info()
+
+    def current_context(self) -> DistAutogradContext:
+        return self.get().current_context()
+
+    def current_context_id(self) -> int:
+        return self.get().current_context_id()
+
+    def has_current_context(self) -> bool:
+        return self.get().has_current_context()
+
+    def set_current_context_id(self, context_id: int) -> None:
+        self.get().set_current_context_id(context_id)
+
+    def clear_current_context(self) -> None:
+        self.get().clear_current_context()
+
+    def forced_current(self, context_id: int) -> AbstractContextManager[None]:
+        return self.get().forced_current(context_id)
+
+
+CONTAINER = WorkerContainer()
+"""The container of the calling thread's worker (the process's own, but in test worlds)."""
 
 on_release: Callable[[DistAutogradContext], None] | None = None
 """Called with each context a :class:`context` block released, after its removal (set by the

@@ -660,8 +660,9 @@ def _late_grad_message(*args: Any) -> None:
 
 
 def _on_peer_failure(worker: int, error: Exception) -> None:
+    me = CONTAINER.worker_id  # (agents of an in-memory world share the process and the set)
     with _PASSES_LOCK:
-        passes = list(_ALL_PASSES)
+        passes = [p for p in _ALL_PASSES if p.worker_id == me]
     for current in passes:
         with current.ctx.lock:
             if not current.finished and current.waits_on(worker):

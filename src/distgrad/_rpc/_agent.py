@@ -41,6 +41,7 @@ import torch
 from .. import _config
 from .._errors import (
     DistgradError,
+    InjectedFailureError,
     MessageTooLargeError,
     PeerFailureError,
     RpcShutdownError,
@@ -48,20 +49,21 @@ from .._errors import (
     rpc_timeout_message,
 )
 from .._omp import join_openmp_runtime
-from .._transport._connection import Connection
-from .._transport._io import IoThread
-from .._transport._transport import (
-    FrameHandler,
-    LoopbackConnection,
+from .._transport._base import (
+    Link,
+    MessageInfo,
     PeerAddress,
     Transport,
     TransportConfig,
+    TransportFactory,
     TransportStatistics,
 )
-from .._wire._frames import Frame, Kind, encode_frame
+from .._transport._io import IoThread
+from .._wire._frames import Frame, Kind
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
+from ._messages import describe_request, describe_response
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
 from ._remote_error import error_payload, exception_from_payload, report_udf_error
@@ -69,12 +71,12 @@ from ._rref_context import RRefContext
 from ._torchscript import is_script_function
 from ._worker_info import WorkerInfo
 
-__all__ = ["RpcAgent", "current_agent", "set_current_agent"]
+__all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
 
 _log = logging.getLogger("distgrad.rpc")
 _TICK = 0.02  # resolution of rpc_async timeouts, seconds
-
-AnyConnection = Connection | LoopbackConnection
+_RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
+_RETRY_BACKOFF = 0.05  # seconds before the first retry; doubles each time
 
 _CPU_ONLY = (
     "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
@@ -87,8 +89,13 @@ _UDF_MISSING = (
 )
 
 
-class RpcAgent(FrameHandler):
-    """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``."""
+class RpcAgent:
+    """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``.
+
+    ``transport`` builds the transport that moves its frames (sockets for ``init_rpc``; see
+    ``distgrad._transport._base`` for the contract). An ``isolated`` agent shares its process
+    with other agents (an in-memory test world): every thread it owns is bound to it
+    (:func:`bind_thread`), and the layers above keep their per-worker state for it apart."""
 
     def __init__(
         self,
@@ -96,14 +103,23 @@ class RpcAgent(FrameHandler):
         rank: int,
         world_size: int,
         options: TensorPipeRpcBackendOptions,
+        *,
+        transport: TransportFactory,
+        isolated: bool = False,
     ) -> None:
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
         self.options = options
         self.rpc_timeout = options.rpc_timeout
-        self._io = IoThread()
+        self.isolated = isolated
+        bind = self._bind_thread if isolated else None
+        #: per-worker state of the layers above, for isolated agents (keyed by the layer's key)
+        self.layer_state: dict[object, object] = {}
+        self._io = IoThread(on_start=bind)
+        self._transport_factory = transport
         self._transport: Transport | None = None
+        self._describe = False  # whether the transport wants a MessageInfo with each frame
         self.address: PeerAddress | None = None
         self._by_name: dict[str, WorkerInfo] = {name: self.worker_info}
         self._by_rank: dict[int, WorkerInfo] = {rank: self.worker_info}
@@ -115,8 +131,8 @@ class RpcAgent(FrameHandler):
         self._wheel: dict[int, set[int]] = {}
         self._wheel_lock = threading.Lock()
         self._ticking = False
-        self._workers = ThreadPool("distgrad-worker", options.num_worker_threads)
-        self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads)
+        self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
+        self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
         self._running = False
         self._stopped = False
@@ -128,6 +144,9 @@ class RpcAgent(FrameHandler):
         self._device_checks: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
         self._peer_limits: dict[int, int] = {}  # peers accepting less than this worker
         self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
+
+    def _bind_thread(self) -> None:
+        bind_thread(self)
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -151,7 +170,8 @@ class RpcAgent(FrameHandler):
         )
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
-        self._transport = Transport(config, self._io, self, self._label)
+        self._transport = self._transport_factory(config, self._io, self, self._label)
+        self._describe = self._transport.wants_message_info
         self.address = self._transport.listen(listen_host)
         return self.address
 
@@ -251,15 +271,18 @@ class RpcAgent(FrameHandler):
         conn = self._transport.connection(dst.id)
         extension = _extension.get_extension()
         check = self._device_check("Request", dst.id)
+        made: list[object] = []  # the extension's ext, once made
         if extension is None or internal or not extension.active():
             extension = None
             encoded = encode(payload, device_check=check)
         else:
-            encoded = encode(
-                payload,
-                lambda tensors: extension.outgoing_request(dst.id, tensors, force),
-                check,
-            )
+
+            def make_ext(tensors: list[torch.Tensor]) -> Any:
+                assert extension is not None
+                made.append(extension.outgoing_request(dst.id, tensors, force))
+                return made[-1]
+
+            encoded = encode(payload, make_ext, check)
         self._check_size(encoded, dst.id)
         cid = next(self._ids)
         call = _Call(cid, conn, self._effective_timeout(timeout), internal, future, callback)
@@ -268,7 +291,14 @@ class RpcAgent(FrameHandler):
                 self._active += 1
         self._calls[cid] = call
         try:
-            conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
+            if self._describe:
+                wrapped = bool(made) and made[0] is not None
+                info = describe_request(payload[0], payload[1], wrapped=wrapped)
+                conn.send_frame(
+                    Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
+                )
+            else:
+                conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
         except BaseException:
             if self._calls.pop(cid, None) is not None:
                 self._done(call)
@@ -338,7 +368,11 @@ class RpcAgent(FrameHandler):
             )
         future = RpcFuture()
         future._pools = self._pools
-        cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
+        try:
+            cid, call = self._send(dst, (func, args, kwargs), timeout, future, internal, force)
+        except InjectedFailureError as exc:  # as torch's faulty agent: a failed future
+            set_future_error(future, exc)
+            return future
         if call.timeout > 0:
             self._arm_timeout(cid, call)
         return future
@@ -349,12 +383,18 @@ class RpcAgent(FrameHandler):
         func: Any,
         args: tuple[Any, ...],
         on_done: Callable[[Any, BaseException | None], None],
+        timeout: float = -1.0,
     ) -> None:
-        """An internal request with no timeout and no future: ``on_done(result, error)`` is called
-        where the answer arrives -- the I/O thread, normally; the sending thread if the send
-        itself fails after the call was registered -- so it must be quick and must not block.
-        Raises (and does not call ``on_done``) if the request cannot be sent at all."""
-        self._send(self.get_worker_info(dst), (func, args, {}), 0, None, True, False, on_done)
+        """An internal request with no future: ``on_done(result, error)`` is called where the
+        answer arrives -- the I/O thread, normally; the sending thread if the send itself fails
+        after the call was registered; the timer when it times out (``timeout`` seconds, -1:
+        the default RPC timeout, as torch's gradient messages; 0: none) -- so it must be quick
+        and must not block. Raises (and does not call ``on_done``) if the request cannot be
+        sent at all."""
+        info = self.get_worker_info(dst)
+        cid, call = self._send(info, (func, args, {}), timeout, None, True, False, on_done)
+        if call.timeout > 0:
+            self._arm_timeout(cid, call)
 
     def notify(self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False) -> None:
         """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
@@ -371,44 +411,58 @@ class RpcAgent(FrameHandler):
         conn = self.transport.connection(dst)
         encoded = encode((func, args))
         self._check_size(encoded, dst)
+        info = describe_request(func, args, wrapped=False) if self._describe else None
         if later:
-            conn.send_later(
-                encode_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
+            conn.send_frame_later(
+                Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info
             )
             return
-        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags)
+        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
 
     def peer_is_dead(self, dst: int) -> bool:
         """True once worker ``dst`` is known to be dead."""
         return self._transport is not None and self._transport.is_dead(dst)
 
     def send_with_retries(
-        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = 3
+        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
     ) -> torch.futures.Future[Any]:
         """An internal message whose handler is idempotent (the reference's
-        ``sendWithRetries``): a failure other than a dead peer or a stopped agent is retried.
-        The future completes with the result or the last error."""
+        ``sendWithRetries``): a failure other than a dead peer or a stopped agent -- a timeout
+        (each attempt has the default RPC timeout) included -- is retried, after a pause that
+        doubles each time (``_RETRY_BACKOFF``). The future completes with
+        the result or the last error."""
         result: torch.futures.Future[Any] = torch.futures.Future()
+
+        def failed(exc: BaseException, left: int) -> None:
+            if isinstance(exc, (PeerFailureError, RpcShutdownError)) or left <= 1:
+                set_future_error(result, exc)
+                return
+            pause = _RETRY_BACKOFF * 2 ** (attempts - left)
+
+            def retry() -> None:  # on the I/O thread: the attempt may block, so not here
+                try:
+                    self._callbacks.submit(attempt, left - 1)
+                except RuntimeError:  # the pool is stopped: this agent stopped
+                    set_future_error(result, exc)
+
+            try:
+                self._io.call_soon(self._io.loop.call_later, pause, retry)
+            except RuntimeError:  # the I/O loop is gone: this agent stopped
+                set_future_error(result, exc)
 
         def attempt(left: int) -> None:
             try:
-                future = self.call_async(
-                    self.get_worker_info(dst), func, args, {}, 0, internal=True
-                )
-            except BaseException as exc:  # the peer is gone or this agent is stopping
+                # the default timeout: an attempt that is lost is retried after it
+                future = self.call_async(self.get_worker_info(dst), func, args, {}, internal=True)
+            except BaseException as exc:  # the peer is gone, this agent stops, bad arguments
                 set_future_error(result, exc)
                 return
 
             def done(answered: torch.futures.Future[Any]) -> None:
                 try:
                     value = answered.wait()
-                except (PeerFailureError, RpcShutdownError) as exc:
-                    set_future_error(result, exc)
                 except BaseException as exc:
-                    if left > 1:
-                        attempt(left - 1)
-                    else:
-                        set_future_error(result, exc)
+                    failed(exc, left)
                 else:
                     result.set_result(value)
 
@@ -548,7 +602,7 @@ class RpcAgent(FrameHandler):
             self._io.loop.call_later(_TICK, self._tick)
 
     # -- receiving (I/O thread) ------------------------------------------------------------------
-    def on_frame(self, conn: AnyConnection, frame: Frame) -> None:
+    def on_frame(self, conn: Link, frame: Frame) -> None:
         if frame.kind == Kind.REQUEST:
             try:
                 self._workers.submit(self._serve, conn, frame)
@@ -570,7 +624,7 @@ class RpcAgent(FrameHandler):
         call.frame = frame
         self._finish(call)
 
-    def on_connection_lost(self, conn: Connection, error: Exception, peer_dead: bool) -> None:
+    def on_connection_lost(self, conn: Link, error: Exception, *, peer_dead: bool) -> None:
         for cid in [cid for cid, call in self._calls.items() if call.conn is conn]:
             call = self._calls.pop(cid, None)
             if call is not None:
@@ -580,7 +634,7 @@ class RpcAgent(FrameHandler):
             for listener in list(self.peer_failure_listeners):
                 self._callbacks.submit(listener, conn.peer, error)
 
-    def _on_notify(self, conn: AnyConnection, frame: Frame) -> None:
+    def _on_notify(self, conn: Link, frame: Frame) -> None:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
         except BaseException as exc:
@@ -605,7 +659,7 @@ class RpcAgent(FrameHandler):
             _log.exception("unhandled error in the notification handler %r", func)
 
     # -- serving (worker threads) ----------------------------------------------------------------
-    def _serve(self, conn: AnyConnection, frame: Frame) -> None:
+    def _serve(self, conn: Link, frame: Frame) -> None:
         extension = _extension.get_extension()
         states: list[Any] = []
 
@@ -631,6 +685,9 @@ class RpcAgent(FrameHandler):
             unrun = None
         finally:
             unconfirmed = RRefContext.stop_collecting(previous)
+        if self._describe and unrun is None:  # replies go out described (fault injection)
+            wrapped = bool(states) and states[0] is not None
+            conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
         if unrun is None and unconfirmed:  # RRefs in the arguments: run once owners know them
             try:
                 self._wait_confirmed(unconfirmed)
@@ -688,7 +745,7 @@ class RpcAgent(FrameHandler):
 
     def _serve_async(
         self,
-        conn: AnyConnection,
+        conn: Link,
         message_id: int,
         func: Any,
         args: Any,
@@ -711,7 +768,7 @@ class RpcAgent(FrameHandler):
 
         future.add_done_callback(respond)
 
-    def _reply(self, conn: AnyConnection, message_id: int, result: Any, state: Any) -> None:
+    def _reply(self, conn: Link, message_id: int, result: Any, state: Any) -> None:
         extension = _extension.get_extension()
         peer = conn.peer
         check = self._device_check("Response", peer)
@@ -786,14 +843,14 @@ class RpcAgent(FrameHandler):
             )
 
     def _reply_error(
-        self, conn: AnyConnection, message_id: int, exc: BaseException, builtin: bool = False
+        self, conn: Link, message_id: int, exc: BaseException, builtin: bool = False
     ) -> None:
         payload = error_payload(exc, str(self.worker_info), builtin)
         self._write(conn, Kind.ERROR, message_id, dumps(payload)[0])
 
     def _write(
         self,
-        conn: AnyConnection,
+        conn: Link,
         kind: int,
         message_id: int,
         meta: bytes,
@@ -843,11 +900,76 @@ class RpcAgent(FrameHandler):
         self.rref_leaks = self.rrefs.destroy()
 
 
+class _ReplyLink:
+    """The link of a request, for its replies, where the transport wants each frame described:
+    it describes them as the response (or error) to that request."""
+
+    def __init__(self, link: Link, request: MessageInfo) -> None:
+        self._link = link
+        self._request = request
+        self.peer = link.peer
+        self.peer_label = link.peer_label
+
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
+
+    def send_frame(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        described = describe_response(self._request, error=kind == Kind.ERROR)
+        self._link.send_frame(kind, message_id, meta, buffers, flags, info=described)
+
+    def send_frame_later(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        described = describe_response(self._request, error=kind == Kind.ERROR)
+        self._link.send_frame_later(kind, message_id, meta, buffers, flags, info=described)
+
+    def broken_error(self) -> DistgradError:
+        return self._link.broken_error()
+
+    def close(self, error: Exception | None = None) -> None:
+        self._link.close(error)
+
+
 _current: RpcAgent | None = None
 
 
+class _ThreadAgent(threading.local):
+    agent: RpcAgent | None = None  # class default: an unbound thread reads None
+
+
+#: The agent the calling thread belongs to, where several share the process (else None).
+thread_binding = _ThreadAgent()
+
+
 def current_agent() -> RpcAgent | None:
-    return _current
+    """The agent of the calling thread: the one it is bound to (in-memory worlds), else the
+    process's (``init_rpc``)."""
+    bound = thread_binding.agent
+    return bound if bound is not None else _current
+
+
+def bind_thread(agent: RpcAgent | None) -> RpcAgent | None:
+    """Make ``agent`` the calling thread's agent (``None``: unbind); returns the previous one."""
+    previous = thread_binding.agent
+    thread_binding.agent = agent
+    return previous
 
 
 def set_current_agent(agent: RpcAgent | None) -> None:

@@ -19,11 +19,15 @@ import torch
 
 from .. import _config
 from .._errors import RpcTimeoutError
+from .._transport._base import TransportFactory
+from .._transport._faulty import FaultyTransport
+from .._transport._transport import SocketTransport
 from . import _collectives, _rendezvous
 from ._agent import RpcAgent, current_agent, set_current_agent
 from ._calls import is_builtin
 from ._options import (
     BackendType,
+    FaultyTensorPipeRpcBackendOptions,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     construct_rpc_backend_options,
@@ -79,6 +83,15 @@ def _to_options(options: object) -> TensorPipeRpcBackendOptions:
     """Accept our options, or torch's own TensorPipe options object (copied over)."""
     if isinstance(options, TensorPipeRpcBackendOptions):
         return options
+    if hasattr(options, "messages_to_fail"):  # torch's FaultyTensorPipeRpcBackendOptions
+        return FaultyTensorPipeRpcBackendOptions(
+            int(getattr(options, "num_worker_threads", 16)),
+            float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
+            str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
+            list(getattr(options, "messages_to_fail", [])),
+            dict(getattr(options, "messages_to_delay", {})),
+            int(getattr(options, "num_fail_sends", 0)),
+        )
     converted = TensorPipeRpcBackendOptions(
         num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
         rpc_timeout=float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
@@ -161,7 +174,7 @@ def init_rpc(
         backend = BackendType.TENSORPIPE
     if rpc_backend_options is None:
         rpc_backend_options = construct_rpc_backend_options(backend)
-    options = _check_options(backend, rpc_backend_options)
+    options, transport = _check_options(backend, rpc_backend_options)
     if not isinstance(name, str):  # torch's check (made before the rendezvous here)
         raise RuntimeError(f"Argument {name} must be of type {str} but got type {type(name)}")
     validate_worker_name(name)
@@ -176,17 +189,29 @@ def init_rpc(
         store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         for hook in init_hooks:
             hook(rank)
-        _start_agent(store, name, rank, world_size, options, keepalive=[iterator])
+        _start_agent(store, name, rank, world_size, options, transport, keepalive=[iterator])
 
 
-def _check_options(backend: Any, options: object) -> TensorPipeRpcBackendOptions:
-    """``options`` as distgrad's agent takes them, or torch's error for options that do not
-    belong to ``backend``."""
+def _check_options(
+    backend: Any, options: object
+) -> tuple[TensorPipeRpcBackendOptions, TransportFactory]:
+    """``options`` as distgrad's agent takes them and the transport they ask for, or torch's
+    error for options that do not belong to ``backend``."""
     if backend.name == "TENSORPIPE" and not (
         isinstance(options, TensorPipeRpcBackendOptions) or hasattr(options, "num_worker_threads")
     ):
         raise TypeError(f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {options}")
-    return _to_options(options)
+    if backend.name == "FAULTY_TENSORPIPE" and not isinstance(
+        options, FaultyTensorPipeRpcBackendOptions
+    ):
+        raise TypeError(
+            f"`rpc_backend_options` must be a `FaultyTensorPipeRpcBackendOptions`. {options}"
+        )
+    checked = _to_options(options)
+    transport: TransportFactory = SocketTransport
+    if isinstance(checked, FaultyTensorPipeRpcBackendOptions):
+        transport = FaultyTransport.factory(SocketTransport, checked.fault_plan())
+    return checked, transport
 
 
 def init_rpc_backend(
@@ -207,12 +232,12 @@ def init_rpc_backend(
             "distgrad needs a static RPC group: pass world_size (dynamic groups are not "
             "supported yet)"
         )
-    options = _check_options(backend, rpc_backend_options)
+    options, transport = _check_options(backend, rpc_backend_options)
     validate_worker_name(name)
     with _init_lock:
         if current_agent() is not None:
             raise RuntimeError("RPC is already initialized")
-        _start_agent(store, name, rank, world_size, options, keepalive=[])
+        _start_agent(store, name, rank, world_size, options, transport, keepalive=[])
 
 
 def _validate_rpc_args(
@@ -249,11 +274,12 @@ def _start_agent(
     rank: int,
     world_size: int,
     options: TensorPipeRpcBackendOptions,
+    transport: TransportFactory,
     keepalive: list[Any],
 ) -> None:
     """Start the agent, meet the group through ``store`` and make the agent current (the
     caller holds ``_init_lock``)."""
-    agent = RpcAgent(name, rank, world_size, options)
+    agent = RpcAgent(name, rank, world_size, options, transport=transport)
     agent.keepalive += [store, *keepalive]
     try:
         secret = _rendezvous.agree_secret(store, rank, options)

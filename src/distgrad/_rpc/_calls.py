@@ -16,8 +16,7 @@ from ._pool import ThreadPool
 from ._remote_error import remember_traceback
 
 if TYPE_CHECKING:
-    from .._transport._connection import Connection
-    from .._transport._transport import LoopbackConnection
+    from .._transport._base import Link
     from .._wire._frames import Frame
 
 __all__ = [
@@ -163,7 +162,7 @@ class _Call:
     def __init__(
         self,
         cid: int,
-        conn: Connection | LoopbackConnection,
+        conn: Link,
         timeout: float,
         internal: bool,
         future: torch.futures.Future[Any] | None,

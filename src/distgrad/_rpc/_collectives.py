@@ -33,20 +33,37 @@ class _GatherState:
 
 
 _lock = threading.Lock()
-_states: dict[str, _GatherState] = {}
-_sequences: dict[tuple[str, ...], itertools.count[int]] = defaultdict(itertools.count)
 
 
-def _state(key: str) -> _GatherState:
+class _Groups:
+    """One worker's group operations in progress (kept with its agent: the agents of an
+    in-memory world share the process)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, _GatherState] = {}
+        self.sequences: dict[tuple[str, ...], itertools.count[int]] = defaultdict(itertools.count)
+
+
+def _groups(agent: RpcAgent) -> _Groups:
+    found = agent.layer_state.get(_Groups)
+    if found is None:
+        with _lock:
+            found = agent.layer_state.setdefault(_Groups, _Groups())
+    assert isinstance(found, _Groups)
+    return found
+
+
+def _state(agent: RpcAgent, key: str) -> _GatherState:
+    states = _groups(agent).states
     with _lock:
-        state = _states.get(key)
+        state = states.get(key)
         if state is None:
-            state = _states[key] = _GatherState()
+            state = states[key] = _GatherState()
         return state
 
 
 def _gather_to_leader(key: str, name: str, obj: Any, names: list[str]) -> None:
-    state = _state(key)
+    state = _state(_require_agent(), key)
     with _lock:
         state.gathered[name] = obj
         if len(state.gathered) == len(names):
@@ -54,7 +71,7 @@ def _gather_to_leader(key: str, name: str, obj: Any, names: list[str]) -> None:
 
 
 def _broadcast_to_followers(key: str, gathered: dict[str, Any]) -> None:
-    state = _state(key)
+    state = _state(_require_agent(), key)
     state.result = gathered
     state.proceed.set()
 
@@ -90,13 +107,14 @@ def all_gather(
     )
     me = agent.worker_info.name
     leader = names[0]
+    groups = _groups(agent)
     with _lock:
-        sequence = next(_sequences[tuple(names)])
+        sequence = next(groups.sequences[tuple(names)])
     key = f"{sequence}|{','.join(names)}"
     if timeout < 0:
         timeout = agent.rpc_timeout
     deadline = time.monotonic() + timeout if timeout > 0 else None
-    state = _state(key)
+    state = _state(agent, key)
     try:
         if me == leader:
             _gather_to_leader(key, me, obj, names)
@@ -131,7 +149,7 @@ def all_gather(
         return state.result
     finally:
         with _lock:
-            _states.pop(key, None)
+            groups.states.pop(key, None)
 
 
 def barrier(worker_names: list[str] | None = None) -> None:

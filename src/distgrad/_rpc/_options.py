@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import enum
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import _config
+from .._transport._faulty import Fault, FaultPlan
+from ._messages import MESSAGE_TYPES
 
 __all__ = [
     "BackendType",
     "BackendValue",
+    "FaultyTensorPipeRpcBackendOptions",
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "backend_registered",
@@ -27,6 +30,7 @@ __all__ = [
     "infer_backend",
     "is_backend_type",
     "register_backend",
+    "register_faulty_backend",
 ]
 
 DeviceLike = int | str | torch.device
@@ -218,6 +222,71 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         )
 
 
+class FaultyTensorPipeRpcBackendOptions(TensorPipeRpcBackendOptions):
+    """Options of the fault-injecting backend ``FAULTY_TENSORPIPE`` (torch's, from
+    ``distgrad.rpc._testing``): the first ``num_fail_sends`` sends of each distinct message of a
+    type in ``messages_to_fail`` fail (``RPCErr:2:Send attempt failed intentionally for ...``),
+    and messages of a type in ``messages_to_delay`` are sent that many seconds late.
+
+    Type names are torch's (``PYTHON_CALL``, ``SCRIPT_CALL``, ``PYTHON_REMOTE_CALL``,
+    ``SCRIPT_REMOTE_CALL``, ``PYTHON_RREF_FETCH_CALL``, ``SCRIPT_RREF_FETCH_CALL``,
+    ``RREF_FORK_REQUEST``, ``RREF_CHILD_ACCEPT``, ``RREF_USER_DELETE``,
+    ``CLEANUP_AUTOGRAD_CONTEXT_REQ``, and distgrad's others such as ``BACKWARD_AUTOGRAD_REQ``).
+    Beyond torch's arguments, ``faults`` takes distgrad's rules (``distgrad.testing.Fault``:
+    drop, duplicate, reorder ... chosen by type, function, peer, count), and every
+    :class:`TensorPipeRpcBackendOptions` keyword is accepted (docs/testing-fault-tolerance.md).
+    """
+
+    def __init__(
+        self,
+        num_worker_threads: int = _config.DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = _config.DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = _config.DEFAULT_INIT_METHOD,
+        messages_to_fail: list[str] | tuple[str, ...] = (),
+        messages_to_delay: dict[str, float] | None = None,
+        num_fail_sends: int = 0,
+        *,
+        faults: Sequence[Fault] = (),
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            num_worker_threads=num_worker_threads,
+            rpc_timeout=rpc_timeout,
+            init_method=init_method,
+            **options,
+        )
+        if num_fail_sends < 0:
+            raise RuntimeError("numFailSends should be non-negative")
+        delays = dict(messages_to_delay or {})
+        for name in [*messages_to_fail, *delays]:
+            if name not in MESSAGE_TYPES:
+                raise RuntimeError(f"No mapping to rpc::MessageType exists for {name}")
+        if any(delay < 0 for delay in delays.values()):
+            raise RuntimeError("Delays passed to FaultyTensorPipeAgent must be non-negative.")
+        self.messages_to_fail = list(messages_to_fail)
+        self.messages_to_delay = {name: float(delay) for name, delay in delays.items()}
+        self.num_fail_sends = num_fail_sends
+        self.faults = list(faults)
+
+    def fault_plan(self) -> FaultPlan:
+        """A fresh plan of these faults (one per agent: counts start over)."""
+        return FaultPlan(
+            self.faults,
+            messages_to_fail=self.messages_to_fail,
+            num_fail_sends=self.num_fail_sends,
+            messages_to_delay=self.messages_to_delay,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"FaultyTensorPipeRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
+            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
+            f"messages_to_fail={self.messages_to_fail!r}, "
+            f"messages_to_delay={self.messages_to_delay!r}, "
+            f"num_fail_sends={self.num_fail_sends})"
+        )
+
+
 class BackendValue:
     """What a registered backend stands for: its options handler and init handler (the value
     of each ``BackendType`` member, as torch's ``BackendValue``).
@@ -329,6 +398,36 @@ def register_backend(
     )
     BackendType = _make_enum()
     return BackendType[backend_name]
+
+
+def _construct_faulty_options(
+    rpc_timeout: float = _config.DEFAULT_RPC_TIMEOUT_SEC,
+    init_method: str = _config.DEFAULT_INIT_METHOD,
+    num_worker_threads: int = _config.DEFAULT_NUM_WORKER_THREADS,
+    messages_to_fail: list[str] | tuple[str, ...] = (),
+    messages_to_delay: dict[str, float] | None = None,
+    num_fail_sends: int = 0,
+    **kwargs: Any,
+) -> FaultyTensorPipeRpcBackendOptions:
+    return FaultyTensorPipeRpcBackendOptions(
+        num_worker_threads,
+        rpc_timeout,
+        init_method,
+        messages_to_fail,
+        messages_to_delay,
+        num_fail_sends,
+        **kwargs,
+    )
+
+
+def register_faulty_backend() -> None:
+    """Register ``FAULTY_TENSORPIPE`` (what importing ``distgrad.rpc._testing`` does)."""
+    if not backend_registered("FAULTY_TENSORPIPE"):
+        register_backend("FAULTY_TENSORPIPE", _construct_faulty_options, _no_init_handler)
+
+
+def _no_init_handler(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("distgrad starts its agents in init_rpc; backends need no init handler")
 
 
 def construct_rpc_backend_options(

@@ -30,8 +30,11 @@ class ThreadPool:
     once ``num_worker_threads`` calls wait on nested calls).
     """
 
-    def __init__(self, name: str, max_threads: int) -> None:
+    def __init__(
+        self, name: str, max_threads: int, *, on_start: Callable[[], None] | None = None
+    ) -> None:
         self._name = name
+        self._on_start = on_start  # run first on every thread of the pool
         self._max = max_threads
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
@@ -128,6 +131,8 @@ class ThreadPool:
 
     def _work(self) -> None:
         self._mine.member = True
+        if self._on_start is not None:
+            self._on_start()
         get = self._queue.get
         while True:
             item = get()

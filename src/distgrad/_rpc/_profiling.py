@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ._functions import async_execution
+from ._messages import message_type
 from ._worker_info import WorkerInfo
 
 __all__ = [
@@ -130,11 +131,17 @@ def _require() -> CallProfiler:
     return _profiler
 
 
+def _profiled_type(args: tuple[Any, ...]) -> tuple[str, object]:
+    return "RUN_WITH_PROFILING_REQ", args[1]
+
+
+@message_type(_profiled_type)
 def serve(request: Any, func: Any, args: Any, kwargs: Any) -> Any:
     """What a profiled request calls on the callee (see the module docstring)."""
     return _require().serve(request, func, args, kwargs)
 
 
+@message_type(_profiled_type)
 @async_execution
 def serve_async(request: Any, func: Any, args: Any, kwargs: Any) -> torch.futures.Future[Any]:
     """:func:`serve` for ``@async_execution`` functions."""

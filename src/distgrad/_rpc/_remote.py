@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from .._errors import RpcTimeoutError
+from .._errors import InjectedFailureError, RpcTimeoutError
 from . import _profiling
 from ._agent import RpcAgent
 from ._calls import is_builtin, set_future_error
 from ._functions import async_execution
+from ._messages import is_script, message_type
 from ._remote_error import report_udf_error
 from ._rref import RRef, _agent_or_raise, _done_future
 from ._rref_context import OwnerValue, RemoteCreation
@@ -48,7 +49,7 @@ def create_remote(
         future = _create_call(agent, dst, func, call_args, timeout, force)
 
         def created_here(error: BaseException | None) -> None:
-            if isinstance(error, RpcTimeoutError):
+            if isinstance(error, (RpcTimeoutError, InjectedFailureError)):  # as torch does
                 value.timed_out = True
             elif error is not None:
                 value.set_error(error)
@@ -58,6 +59,7 @@ def create_remote(
         return rref
     fork_id = ctx.new_id()
     rref = RRef._new_user(ctx, rref_id, fork_id, dst)
+    rref._script = is_script(func)
     ctx.add_pending_user(fork_id, rref)
     creation = RemoteCreation(rref_id, fork_id)
     future = _create_call(agent, dst, func, (creation, func, args, kwargs), timeout, force)
@@ -105,6 +107,12 @@ def _after(
     return creation
 
 
+def _remote_type(args: tuple[Any, ...]) -> tuple[str, object]:
+    func = args[1]  # (creation, func, args, kwargs)
+    return ("SCRIPT_REMOTE_CALL" if is_script(func) else "PYTHON_REMOTE_CALL"), func
+
+
+@message_type(_remote_type)
 @async_execution
 def _remote_exec(
     creation: RemoteCreation,

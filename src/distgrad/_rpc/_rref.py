@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from .._errors import RpcTimeoutError
+from .._errors import InjectedFailureError, RpcTimeoutError
 from .._wire._pickler import register_reducer
 from ._agent import RpcAgent, current_agent
 from ._calls import fresh_copy
 from ._functions import async_execution
+from ._messages import message_type
 from ._rref_context import (
     RREF_TIMED_OUT,
     GloballyUniqueId,
@@ -118,6 +119,7 @@ class RRef(Generic[T]):
         "_owner",
         "_profiling_future",
         "_rref_id",
+        "_script",
         "_settled",
         "_timed_out",
         "_type_future",
@@ -149,6 +151,7 @@ class RRef(Generic[T]):
         self._owner = owner
         self._value = None
         self._confirmed = False
+        self._script = False  # created by a builtin or TorchScript function (torch's non-PyObj)
         self._settled: threading.Event | None = None  # users: set once confirmed (or failed)
         self._error: BaseException | None = None
         self._timed_out = False
@@ -193,7 +196,7 @@ class RRef(Generic[T]):
         """The owner confirmed this user (or, with ``error``, the creation failed)."""
         if error is None:
             self._confirmed = True
-        elif isinstance(error, RpcTimeoutError):
+        elif isinstance(error, (RpcTimeoutError, InjectedFailureError)):  # as torch does
             self._timed_out = True
         else:
             self._error = error
@@ -324,7 +327,8 @@ class RRef(Generic[T]):
             )
         self._check_usable()
         agent = self._ctx.agent
-        return agent.call_sync(self._owner, _rref_fetch, (self._rref_id,), {}, timeout)  # type: ignore[no-any-return]
+        fetch = _script_rref_fetch if self._script else _rref_fetch
+        return agent.call_sync(self._owner, fetch, (self._rref_id,), {}, timeout)  # type: ignore[no-any-return]
 
     def _get_future(self) -> torch.futures.Future[Any]:
         """The future of the call that created this RRef (``rpc.remote``)."""
@@ -483,7 +487,7 @@ def _owner_backward(value: Any, context_id: int, retain_graph: bool) -> None:
 
 
 # -- pickling through RPC (forks) --------------------------------------------------------------
-ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int]
+ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int, bool]
 
 
 def _reduce_rref(rref: RRef[Any]) -> tuple[Any, ForkData]:
@@ -500,11 +504,15 @@ def _reduce_rref(rref: RRef[Any]) -> tuple[Any, ForkData]:
         ctx.add_fork(rref._rref_id, fork_id)
     else:  # a user: stay alive until the owner knows the child
         ctx.add_pending_child(fork_id, rref)
-    return _rebuild_rref, (rref._owner.id, rref._rref_id, fork_id, ctx.worker_id)
+    return _rebuild_rref, (rref._owner.id, rref._rref_id, fork_id, ctx.worker_id, rref._script)
 
 
 def _rebuild_rref(
-    owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId, parent: int
+    owner: int,
+    rref_id: GloballyUniqueId,
+    fork_id: GloballyUniqueId,
+    parent: int,
+    script: bool = False,
 ) -> RRef[Any]:
     """Receiver side of a fork."""
     agent = _agent_or_raise()
@@ -517,6 +525,7 @@ def _rebuild_rref(
             ctx.accept_child(parent, fork_id)
         return rref
     rref = RRef._new_user(ctx, rref_id, fork_id, agent.get_worker_info(owner))
+    rref._script = script
     if parent == owner:  # the owner registered the fork before sending it
         rref._settle(None)
         ctx.add_confirmed_user(rref)
@@ -540,9 +549,18 @@ def _done_future() -> torch.futures.Future[None]:
     return future
 
 
+@message_type("PYTHON_RREF_FETCH_CALL")
 @async_execution
 def _rref_fetch(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
     """``to_here()``: the value, once it is set."""
+    return _owner_value(rref_id).as_future()
+
+
+@message_type("SCRIPT_RREF_FETCH_CALL")
+@async_execution
+def _script_rref_fetch(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
+    """``to_here()`` of an RRef a builtin or TorchScript function created (torch names that
+    fetch differently)."""
     return _owner_value(rref_id).as_future()
 
 
@@ -551,6 +569,7 @@ def _rref_typeof_on_owner(rref_id: GloballyUniqueId) -> torch.futures.Future[Any
     return _owner_value(rref_id).as_future(type)
 
 
+@message_type("RREF_BACKWARD_REQ")
 def _rref_backward_on_owner(rref_id: GloballyUniqueId, context_id: int, retain_graph: bool) -> None:
     agent = _agent_or_raise()
     _owner_backward(_wait_blocking(agent, _owner_value(rref_id)), context_id, retain_graph)

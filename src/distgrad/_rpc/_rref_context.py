@@ -36,6 +36,7 @@ import torch
 
 from ._calls import set_future_error
 from ._functions import on_io_thread
+from ._messages import message_type
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -269,7 +270,10 @@ class RRefContext:
             rref = self._pending_users.pop(fork_id, None)
         if rref is not None:
             rref._settle(error)
-            if error is None:
+            # A creation that timed out may still have reached the owner (its fork registered
+            # there): such a user is deleted like a confirmed one, at shutdown too (a delete of
+            # a fork the owner never saw is a no-op there).
+            if error is None or rref._timed_out:
                 self.add_confirmed_user(rref)
 
     def add_confirmed_user(self, rref: RRef[Any]) -> None:
@@ -488,6 +492,7 @@ def _context() -> RRefContext | None:
 
 
 # -- handlers of the protocol messages (run on the receiving worker) ---------------------------
+@message_type("RREF_FORK_REQUEST")
 def _fork_request(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
     """On the owner: a user forwarded the RRef; register the new user's fork."""
     ctx = _context()
@@ -495,6 +500,7 @@ def _fork_request(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         ctx.add_fork(rref_id, fork_id)
 
 
+@message_type("RREF_CHILD_ACCEPT")
 def _child_accept(fork_id: GloballyUniqueId) -> None:
     """On a parent user: the owner knows the child now; stop holding the parent for it."""
     ctx = _context()
@@ -502,12 +508,14 @@ def _child_accept(fork_id: GloballyUniqueId) -> None:
         ctx.del_pending_child(fork_id)
 
 
+@message_type("RREF_CHILD_ACCEPT")
 @on_io_thread
 def _child_accept_notice(fork_id: GloballyUniqueId) -> None:
     """:func:`_child_accept` as a one-way notice (quick, never blocks: on the I/O thread)."""
     _child_accept(fork_id)
 
 
+@message_type("RREF_USER_DELETE")
 def _user_deletes(pairs: list[tuple[GloballyUniqueId, GloballyUniqueId]]) -> None:
     """On the owner: these users are gone."""
     ctx = _context()

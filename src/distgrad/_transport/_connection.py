@@ -32,6 +32,7 @@ from .._config import CROSS_MEMORY_THRESHOLD
 from .._errors import PeerFailureError, ProtocolError
 from .._wire._frames import Frame, FrameParser, Kind, encode_frame, encode_frame_by_reference
 from . import _memory
+from ._base import MessageInfo
 
 if TYPE_CHECKING:
     from ._io import IoThread
@@ -184,8 +185,11 @@ class Connection:
         meta: bytes,
         buffers: list[pickle.PickleBuffer] | None = None,
         flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
     ) -> None:
-        """Write one frame; large buffers go by reference where the peer reads our memory."""
+        """Write one frame; large buffers go by reference where the peer reads our memory.
+        (``info`` is for transports that choose frames by meaning; unused here.)"""
         if not (self._by_reference and buffers) or all(
             b.raw().nbytes < CROSS_MEMORY_THRESHOLD for b in buffers
         ):
@@ -205,6 +209,19 @@ class Connection:
             with self._lock:
                 self._pinned.pop(transfer, None)
             raise
+
+    def send_frame_later(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        """:meth:`send_later` of one frame (its buffers always travel inline)."""
+        self.send_later(encode_frame(kind, message_id, meta, buffers, flags))
 
     def send_later(self, pieces: Sequence[Piece]) -> None:
         """Queue one frame to go out with the next write on this connection, right after that

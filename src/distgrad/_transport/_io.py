@@ -31,8 +31,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class IoThread:
     """Owns the event loop and the thread that runs it; stopped by :meth:`stop`."""
 
-    def __init__(self, name: str = "distgrad-io") -> None:
+    def __init__(
+        self, name: str = "distgrad-io", *, on_start: Callable[[], None] | None = None
+    ) -> None:
         self.loop = _new_loop()
+        self._on_start = on_start
         self._ident: int | None = None
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -47,6 +50,8 @@ class IoThread:
 
     def _run(self) -> None:
         self._ident = threading.get_ident()
+        if self._on_start is not None:
+            self._on_start()
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         try:

@@ -35,8 +35,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 from .._errors import (
     DistgradError,
@@ -47,6 +46,13 @@ from .._errors import (
 )
 from .._wire._frames import HEADER, Frame, Kind, encode_frame
 from .._wire._pickler import allocate_buffer
+from ._base import (
+    FrameHandler,
+    MessageInfo,
+    PeerAddress,
+    TransportConfig,
+    TransportStatistics,
+)
 from ._connection import Connection, Piece
 from ._handshake import (
     PeerClosedHandshake,
@@ -57,7 +63,14 @@ from ._handshake import (
 )
 from ._io import IoThread
 
-__all__ = ["PeerAddress", "Transport", "TransportConfig", "TransportStatistics", "host_identity"]
+__all__ = [
+    "LoopbackConnection",
+    "PeerAddress",
+    "SocketTransport",
+    "TransportConfig",
+    "TransportStatistics",
+    "host_identity",
+]
 
 _log = logging.getLogger("distgrad.transport")
 _MAX_PENDING_HANDSHAKES = 128
@@ -96,64 +109,6 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}/{netns}"
 
 
-@dataclass(frozen=True, slots=True)
-class PeerAddress:
-    """Where a worker listens (published through the rendezvous store)."""
-
-    host: str
-    port: int
-    unix: str | None
-    host_id: str
-    #: the largest message the worker accepts (0: not published)
-    max_message_size: int = 0
-    #: whether its TCP connections use TLS
-    tls: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TransportConfig:
-    rank: int
-    world_size: int
-    secret: bytes
-    max_message_size: int
-    heartbeat_interval: float
-    peer_timeout: float
-    handshake_timeout: float
-    connect_timeout: float
-    use_unix_sockets: bool = True
-    server_ssl: ssl.SSLContext | None = None
-    client_ssl: ssl.SSLContext | None = None
-    #: any lost connection proves the peer dead (no suspicion, no reconnection)
-    fail_stop: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TransportStatistics:
-    """A snapshot of the transport's counters (for tests, debugging and monitoring)."""
-
-    open_connections: int
-    connections_accepted: int
-    connections_opened: int
-    handshakes_failed: int
-    protocol_errors: int
-    dead_peers: tuple[int, ...]
-    #: tensor bytes this worker read straight from peers' memory (same host), not the socket
-    bytes_read_directly: int = 0
-    #: heartbeat ticks that found this process itself had not been running for more than a
-    #: heartbeat interval (and so judged no peer's silence)
-    stalls: int = 0
-
-
-class FrameHandler:
-    """What the transport calls (the RPC agent implements it)."""
-
-    def on_frame(self, conn: Connection | LoopbackConnection, frame: Frame) -> None:
-        raise NotImplementedError
-
-    def on_connection_lost(self, conn: Connection, error: Exception, peer_dead: bool) -> None:
-        raise NotImplementedError
-
-
 class LoopbackConnection:
     """A connection to this very worker: frames are handed over with their buffers copied,
     exactly as if they had crossed a socket (RPC to self is a real RPC)."""
@@ -163,7 +118,10 @@ class LoopbackConnection:
     def broken_error(self) -> RpcShutdownError:
         return RpcShutdownError("RPC agent is shut down")
 
-    def __init__(self, transport: Transport, rank: int, label: str) -> None:
+    def close(self, error: Exception | None = None) -> None:
+        self.closed = True
+
+    def __init__(self, transport: SocketTransport, rank: int, label: str) -> None:
         self.peer = rank
         self.peer_label = label
         self._transport = transport
@@ -175,11 +133,23 @@ class LoopbackConnection:
         meta: bytes,
         buffers: list[pickle.PickleBuffer] | None = None,
         flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
     ) -> None:
         self.send(encode_frame(kind, message_id, meta, buffers, flags))
 
-    def send_later(self, pieces: list[Piece]) -> None:
-        self.send(pieces)  # nothing to save on a loopback: delivered now
+    def send_frame_later(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        # nothing to save on a loopback: delivered now
+        self.send(encode_frame(kind, message_id, meta, buffers, flags))
 
     def send(self, pieces: list[Piece]) -> None:
         if self.closed:
@@ -196,8 +166,11 @@ class LoopbackConnection:
         self._transport.deliver(self, Frame(kind, message_id, meta, buffers, flags))
 
 
-class Transport:
-    """Connections to the peers of one worker; owned and closed by the RPC agent."""
+class SocketTransport:
+    """Connections to the peers of one worker over sockets; owned and closed by the RPC agent
+    (the real implementation of the contract in ``_base``)."""
+
+    wants_message_info = False
 
     def __init__(
         self,
@@ -267,7 +240,7 @@ class Transport:
         self._beat_due = time.monotonic() + self.config.heartbeat_interval
         self._heartbeat = loop.call_later(self.config.heartbeat_interval, self._beat)
 
-    def set_peers(self, peers: dict[int, PeerAddress]) -> None:
+    def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         self._peers = dict(peers)
 
     # -- outgoing --------------------------------------------------------------------------------
@@ -609,6 +582,15 @@ class Transport:
             listener.close()
         for task in list(self._handshakes):
             task.cancel()
+
+    def sever(self, rank: int) -> None:
+        """Close every connection with ``rank`` abruptly (fault injection): no goodbye, so
+        both sides take the other for dead."""
+        label = self._label(rank)
+        error = PeerFailureError(f"the connection to {label} was severed", label)
+        self._dead.setdefault(rank, error)  # at once: the next send must not reconnect
+        for conn in [c for c in list(self._conns) if c.peer == rank]:
+            conn.close(error)
 
     def statistics(self) -> TransportStatistics:
         return TransportStatistics(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._autograd import _context, _engine
+from .._autograd import _cleanup, _context, _engine
 from .._autograd._cleanup import after_release
 from .._autograd._context import CONTAINER, DistAutogradContext, context
 from .._autograd._engine import BackwardError
@@ -17,6 +17,7 @@ from .._autograd._recording import AutogradRecording
 from .._rpc import _api as _rpc_api
 from .._rpc._agent import current_agent
 from .._rpc._extension import set_extension
+from .._rpc._messages import register_message_type
 from .._rpc._rref import set_dist_backward
 
 __all__ = ["BackwardError", "backward", "context", "get_gradients", "is_available"]
@@ -145,6 +146,9 @@ def _on_rpc_init(rank: int) -> None:
     CONTAINER.init(rank)
 
 
+for _handler in (_engine._grad_message, _engine._start_message, _engine._late_grad_message):
+    register_message_type(_handler, "BACKWARD_AUTOGRAD_REQ")
+register_message_type(_cleanup._cleanup_message, "CLEANUP_AUTOGRAD_CONTEXT_REQ")
 set_extension(AutogradRecording())
 set_dist_backward(backward)  # RRef.backward(context_id) on the owner
 _context.on_release = after_release

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # As torch.distributed.rpc does with torch.distributed.autograd: an RPC worker always records
 # distributed autograd (importing it installs the recording into the RPC layer).
 from .. import autograd as _autograd
@@ -18,6 +20,7 @@ from .._errors import (
     RpcTimeoutError,
 )
 from .._rpc import _api as _api_impl
+from .._rpc import _options as _options_impl
 from .._rpc._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -28,7 +31,6 @@ from .._rpc._api import (
     shutdown,
 )
 from .._rpc._options import (
-    BackendType,
     BackendValue,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
@@ -39,7 +41,7 @@ from .._rpc._options import (
 from .._rpc._remote_error import RemoteTraceback
 from .._rpc._rref import RRef
 from .._rpc._worker_info import WorkerInfo
-from . import api, constants, functions
+from . import api, backend_registry, constants, functions
 
 __all__ = [
     "BackendType",
@@ -58,6 +60,7 @@ __all__ = [
     "WorkerInfo",
     "api",
     "backend_registered",
+    "backend_registry",
     "constants",
     "construct_rpc_backend_options",
     "functions",
@@ -94,6 +97,14 @@ def _get_debug_info() -> dict[str, str | int]:
     info.update(_get_current_rpc_agent().get_debug_info())
     info.update(_autograd._get_debug_info())
     return info
+
+
+def __getattr__(name: str) -> Any:
+    # Read when used, so that a backend registered later (FAULTY_TENSORPIPE, by importing
+    # distgrad.rpc._testing) is a member (torch's rpc.BackendType stays the first enum).
+    if name == "BackendType":
+        return _options_impl.BackendType
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_available() -> bool:

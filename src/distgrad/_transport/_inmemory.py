@@ -1,0 +1,487 @@
+"""The in-memory transport: several agents in one process, joined by a :class:`MemoryNetwork`.
+
+It implements the contract of ``_base`` as the socket transport does, minus the sockets: each
+agent keeps its own I/O thread, and a frame sent on a link is encoded exactly as for a socket
+(``encode_frame``), copied at send time (as ``sendmsg`` copies into the kernel), handed to the
+receiver's I/O thread and parsed there by the same ``FrameParser`` -- so the pickling, the
+tensor table, the frame limits and the threads a message crosses are those of a real run.
+Frames on one link keep their order; a link to the worker itself is an ordinary link.
+
+Failure behaves as with sockets: closing one end of a link is seen by the other as an end of
+stream, orderly after a ``GOODBYE``, a death otherwise; a worker whose transport is closed
+refuses new links (a refused connection: it is dead); links that stay silent past
+``peer_timeout`` are closed by the heartbeat check, and idle links send heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+
+from .._errors import PeerFailureError, ProtocolError, RpcShutdownError
+from .._wire._frames import Frame, FrameParser, Kind, encode_frame
+from ._base import (
+    FrameHandler,
+    MessageInfo,
+    PeerAddress,
+    TransportConfig,
+    TransportStatistics,
+)
+from ._io import IoThread
+
+__all__ = ["MemoryLink", "MemoryNetwork", "MemoryTransport"]
+
+_log = logging.getLogger("distgrad.transport")
+_HEARTBEAT = b"".join(bytes(p) for p in encode_frame(Kind.HEARTBEAT, 0))
+_GOODBYE = b"".join(bytes(p) for p in encode_frame(Kind.GOODBYE, 0))
+
+
+class MemoryNetwork:
+    """Where the in-memory transports of one process find each other (one per test world).
+
+    Use :meth:`factory` as the agents' ``transport``."""
+
+    def __init__(self) -> None:
+        self.id = f"memory/{uuid.uuid4().hex}"
+        self._lock = threading.Lock()
+        self._ports = itertools.count(1)
+        self._listening: dict[int, MemoryTransport] = {}
+
+    def __repr__(self) -> str:
+        return f"<MemoryNetwork {self.id} listening={sorted(self._listening)}>"
+
+    def factory(
+        self,
+        config: TransportConfig,
+        io: IoThread,
+        handler: FrameHandler,
+        peer_label: Callable[[int], str],
+    ) -> MemoryTransport:
+        """A ``TransportFactory``: one agent's transport on this network."""
+        return MemoryTransport(self, config, io, handler, peer_label)
+
+    def _register(self, transport: MemoryTransport) -> int:
+        with self._lock:
+            port = next(self._ports)
+            self._listening[port] = transport
+            return port
+
+    def _unregister(self, port: int) -> None:
+        with self._lock:
+            self._listening.pop(port, None)
+
+    def _lookup(self, port: int) -> MemoryTransport | None:
+        with self._lock:
+            return self._listening.get(port)
+
+
+class MemoryLink:
+    """One end of an in-memory connection; ``send_frame`` from any thread."""
+
+    def __init__(self, transport: MemoryTransport, peer: int, peer_label: str) -> None:
+        self.peer = peer
+        self.peer_label = peer_label
+        self._transport = transport
+        self.other: MemoryLink | None = None
+        self._lock = threading.Lock()
+        self._later: list[bytes] = []
+        self._parser = FrameParser(transport.config.max_message_size)
+        self._closed = False
+        self.goodbye_received = False
+        self.close_error: Exception | None = None
+        self.last_recv = self.last_send = time.monotonic()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<MemoryLink to {self.peer_label} {state}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- sending (any thread) ----------------------------------------------------------------------
+    def send_frame(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        self.send_bytes(_join(kind, message_id, meta, buffers, flags))
+
+    def send_frame_later(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        data = _join(kind, message_id, meta, buffers, flags)
+        with self._lock:
+            if self._closed:
+                raise self.broken_error()
+            self._later.append(data)
+
+    def flush_later(self) -> None:
+        if self._later:
+            self.send_bytes(b"")
+
+    def send_bytes(self, data: bytes) -> None:
+        """Hand encoded frames to the other end, in order with every other send on this link."""
+        with self._lock:
+            if self._closed:
+                raise self.broken_error()
+            if self._later:
+                data = b"".join([data, *self._later])
+                self._later.clear()
+            if not data:
+                return
+            if self._transport.paused and self._transport.hold(False, self.send_bytes, data):
+                return  # frozen: it goes out when the worker is resumed
+            other = self.other
+            assert other is not None
+            try:
+                other._transport.io.call_soon(other._receive, data)
+            except RuntimeError as exc:  # its loop is closed: it is gone
+                raise PeerFailureError(
+                    f"lost the connection to {self.peer_label} while sending: {exc}",
+                    self.peer_label,
+                ) from exc
+            self.last_send = time.monotonic()
+
+    # -- receiving (this end's I/O thread) ---------------------------------------------------------
+    def _receive(self, data: bytes) -> None:
+        if self._transport.paused and self._transport.hold(True, self._receive, data):
+            return
+        if self._closed:
+            return
+        self.last_recv = time.monotonic()
+        parser = self._parser
+        view = memoryview(data)
+        frames: list[Frame] = []
+        position = 0
+        try:
+            while position < len(view):
+                buf = parser.get_buffer()
+                n = min(len(buf), len(view) - position)
+                buf[:n] = view[position : position + n]
+                position += n
+                frames.extend(parser.buffer_updated(n))
+        except ProtocolError as exc:
+            _log.warning("dropping connection from %s: %s", self.peer_label, exc)
+            self.close(exc)
+            return
+        handler = self._transport.handler
+        for frame in frames:
+            if frame.kind == Kind.HEARTBEAT:
+                continue
+            if frame.kind == Kind.GOODBYE:
+                self.goodbye_received = True
+                continue
+            try:
+                handler.on_frame(self, frame)
+            except Exception:
+                _log.exception("error while handling a frame from %s", self.peer_label)
+
+    def _on_eof(self) -> None:
+        """The other end closed (after everything it sent was received)."""
+        if self._transport.paused and self._transport.hold(True, self._on_eof):
+            return
+        if self.goodbye_received:
+            self.close(None)
+        else:
+            self.close(
+                PeerFailureError(
+                    f"{self.peer_label} closed the connection unexpectedly (did it die?)",
+                    self.peer_label,
+                )
+            )
+
+    # -- closing -----------------------------------------------------------------------------------
+    def close(self, error: Exception | None = None) -> None:
+        """Close this end now (any thread); the other end sees the end of the stream."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.close_error = error
+            self._later.clear()
+        other = self.other
+        if other is not None:
+            try:
+                other._transport.io.call_soon(other._on_eof)
+            except RuntimeError:
+                pass  # its loop is gone already
+        try:
+            self._transport.io.call_soon(self._transport._on_closed, self, error)
+        except RuntimeError:
+            pass
+
+    def broken_error(self) -> PeerFailureError:
+        if isinstance(self.close_error, PeerFailureError):
+            return PeerFailureError(str(self.close_error), self.peer_label)
+        if self.goodbye_received:
+            return PeerFailureError(f"{self.peer_label} has shut down", self.peer_label)
+        reason = f": {self.close_error}" if self.close_error else ""
+        return PeerFailureError(
+            f"the connection to {self.peer_label} is closed{reason}", self.peer_label
+        )
+
+
+def _join(
+    kind: int,
+    message_id: int,
+    meta: bytes,
+    buffers: list[pickle.PickleBuffer] | None,
+    flags: int,
+) -> bytes:
+    """The frame's bytes, copied now (the sender may reuse its tensors once the send returned)."""
+    return b"".join(encode_frame(kind, message_id, meta, buffers, flags))
+
+
+class MemoryTransport:
+    """One agent's links to the others on a :class:`MemoryNetwork`."""
+
+    wants_message_info = False
+
+    def __init__(
+        self,
+        network: MemoryNetwork,
+        config: TransportConfig,
+        io: IoThread,
+        handler: FrameHandler,
+        peer_label: Callable[[int], str],
+    ) -> None:
+        self.network = network
+        self.config = config
+        self.io = io
+        self.handler = handler
+        self._label = peer_label
+        self._port = 0
+        self._peers: dict[int, PeerAddress] = {}
+        self._out: dict[int, MemoryLink] = {}
+        self._links: set[MemoryLink] = set()
+        self._lock = threading.Lock()  # the tables; never held while taking another's
+        self._connect_locks: dict[int, threading.Lock] = {}
+        self._dead: dict[int, PeerFailureError] = {}
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._closing = False
+        self._accepted = self._opened = self._protocol_errors = 0
+        self.paused = False
+        # (incoming, function, arguments) of what waits for resume()
+        self._held: list[tuple[bool, Callable[..., None], tuple[object, ...]]] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"<MemoryTransport rank={self.config.rank} port={self._port} "
+            f"links={len(self._links)} dead={sorted(self._dead)}>"
+        )
+
+    # -- setup -------------------------------------------------------------------------------------
+    def listen(self, host: str) -> PeerAddress:
+        self._port = self.network._register(self)
+        self.io.call_soon(self._start_heartbeats)
+        return PeerAddress(
+            "memory", self._port, None, self.network.id, self.config.max_message_size
+        )
+
+    def _start_heartbeats(self) -> None:
+        if not self._closing:
+            self._heartbeat = self.io.loop.call_later(self.config.heartbeat_interval, self._beat)
+
+    def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
+        self._peers = dict(peers)
+
+    # -- outgoing ----------------------------------------------------------------------------------
+    def connection(self, rank: int) -> MemoryLink:
+        link = self._out.get(rank)
+        if link is not None and not link.closed:
+            return link
+        with self._lock:
+            connecting = self._connect_locks.setdefault(rank, threading.Lock())
+        with connecting:  # never while holding self._lock: _open takes the peer's lock
+            if self._closing:
+                raise RpcShutdownError("RPC agent is shutting down; no new connections")
+            self.check_alive(rank)
+            link = self._out.get(rank)
+            if link is not None and not link.closed:
+                return link
+            link = self._open(rank)
+            with self._lock:
+                self._out[rank] = link
+                self._links.add(link)
+                self._opened += 1
+            return link
+
+    def _open(self, rank: int) -> MemoryLink:
+        label = self._label(rank)
+        address = self._peers.get(rank)
+        if address is None:
+            raise PeerFailureError(f"no address known for {label}", label)
+        peer = self.network._lookup(address.port) if address.host_id == self.network.id else None
+        mine = MemoryLink(self, rank, label)
+        theirs = peer._accept(mine, self.config.rank) if peer is not None else None
+        if theirs is None:  # nobody listens there any more: a refused connection
+            error = PeerFailureError(f"could not connect to {label}: connection refused", label)
+            self._dead.setdefault(rank, error)
+            raise error
+        mine.other = theirs
+        return mine
+
+    def _accept(self, dialing: MemoryLink, rank: int) -> MemoryLink | None:
+        """The far end of a link another transport opens to this one (None if closing)."""
+        with self._lock:
+            if self._closing:
+                return None
+            link = MemoryLink(self, rank, self._label(rank))
+            link.other = dialing
+            self._links.add(link)
+            self._accepted += 1
+            return link
+
+    def is_dead(self, rank: int) -> bool:
+        return rank in self._dead
+
+    def check_alive(self, rank: int) -> None:
+        dead = self._dead.get(rank)
+        if dead is not None:
+            raise PeerFailureError(str(dead), dead.peer)
+
+    # -- events (I/O thread) -----------------------------------------------------------------------
+    def _on_closed(self, link: MemoryLink, error: Exception | None) -> None:
+        with self._lock:
+            self._links.discard(link)
+            if self._out.get(link.peer) is link:
+                del self._out[link.peer]
+        broken_protocol = isinstance(error, ProtocolError)
+        if broken_protocol:
+            self._protocol_errors += 1
+        if self._closing:
+            return
+        failure = link.broken_error()
+        if not broken_protocol:
+            self._dead.setdefault(link.peer, failure)
+        self.handler.on_connection_lost(link, failure, peer_dead=not broken_protocol)
+
+    def _beat(self) -> None:
+        config = self.config
+        if self.paused:  # a frozen worker neither beats nor checks on its peers
+            self._heartbeat = self.io.loop.call_later(config.heartbeat_interval, self._beat)
+            return
+        now = time.monotonic()
+        for link in list(self._links):
+            if link.closed:
+                continue
+            silent = now - link.last_recv
+            if silent > config.peer_timeout:
+                link.close(
+                    PeerFailureError(
+                        f"{link.peer_label} sent nothing for {silent:.1f}s "
+                        f"(peer timeout {config.peer_timeout:g}s); it is presumed dead",
+                        link.peer_label,
+                    )
+                )
+                continue
+            try:
+                link.flush_later()
+                if now - link.last_send >= config.heartbeat_interval * 0.5:
+                    link.send_bytes(_HEARTBEAT)
+            except PeerFailureError:
+                pass
+        if not self._closing:
+            self._heartbeat = self.io.loop.call_later(config.heartbeat_interval, self._beat)
+
+    # -- fault injection -------------------------------------------------------------------------
+    def sever(self, rank: int) -> None:
+        """Close every link with ``rank`` abruptly: each side takes the other for dead."""
+        label = self._label(rank)
+        error = PeerFailureError(f"the connection to {label} was severed", label)
+        with self._lock:
+            links = [link for link in self._links if link.peer == rank]
+            self._dead.setdefault(rank, error)  # at once: the next send must not reconnect
+        for link in links:
+            link.close(error)
+
+    def pause(self) -> None:
+        """Freeze this worker's links: what arrives waits, what it sends waits, no heartbeats
+        go out (so peers presume it dead after their ``peer_timeout``) -- until :meth:`resume`."""
+        with self._lock:
+            self.paused = True
+
+    def resume(self) -> None:
+        """Deliver what waited, in order, then send what waited."""
+        with self._lock:
+            self.paused = False
+            held, self._held = self._held, []
+            links = list(self._links)
+        now = time.monotonic()
+        for link in links:  # its silence was ours: do not take the peers for dead now
+            link.last_recv = now
+
+        def replay() -> None:
+            for incoming, fn, args in held:
+                if incoming:
+                    fn(*args)
+
+        self.io.call_soon(replay)
+        for incoming, fn, args in held:
+            if not incoming:
+                try:
+                    fn(*args)
+                except PeerFailureError:
+                    pass
+
+    def hold(self, incoming: bool, fn: Callable[..., None], *args: object) -> bool:
+        """Keep a delivery (``incoming``) or a send for :meth:`resume`; False if not paused."""
+        with self._lock:
+            if not self.paused:
+                return False
+            self._held.append((incoming, fn, args))
+            return True
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def close(self, graceful: bool) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            links = list(self._links)
+        self.network._unregister(self._port)
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            try:
+                self.io.call_soon(heartbeat.cancel)
+            except RuntimeError:
+                pass
+        for link in links:
+            if graceful:
+                try:
+                    link.flush_later()  # before the goodbye, after which the peer takes no work
+                    link.send_bytes(_GOODBYE)
+                except PeerFailureError:
+                    pass
+            link.close(None)
+
+    def statistics(self) -> TransportStatistics:
+        with self._lock:
+            open_links = sum(1 for link in self._links if not link.closed)
+        return TransportStatistics(
+            open_connections=open_links,
+            connections_accepted=self._accepted,
+            connections_opened=self._opened,
+            handshakes_failed=0,
+            protocol_errors=self._protocol_errors,
+            dead_peers=tuple(sorted(self._dead)),
+        )
