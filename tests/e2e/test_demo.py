@@ -121,6 +121,9 @@ def test_ctrl_c_stops_every_worker() -> None:
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        # as from a terminal: a suite run in the background (`cmd &`) ignores SIGINT, which
+        # its children inherit (and Python then leaves it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     workers: set[int] = set()
     try:
