@@ -115,16 +115,20 @@ def _alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_every_worker() -> None:
     """SIGINT to the demo while it trains: it exits with 130 and no worker survives."""
-    proc = subprocess.Popen(
-        _demo_command("--epochs", "50"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        # as from a terminal: a suite run in the background (`cmd &`) ignores SIGINT, which
-        # its children inherit (and Python then leaves it ignored)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # As from a terminal: a suite run in the background (`cmd &`) ignores SIGINT, which the
+    # demo would inherit (and Python then leaves it ignored); a handled signal is reset to its
+    # default in the child at exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            _demo_command("--epochs", "50"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     workers: set[int] = set()
     try:
         assert proc.stdout is not None
