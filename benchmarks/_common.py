@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -344,6 +345,8 @@ def _worker_main(
         enter_netns(netns)
     _redirect_output(log_path)
     warnings.filterwarnings("ignore")
+    if os.environ.get("DISTGRAD_BENCH_LOG"):  # e.g. DEBUG: the workers' logs, in their log files
+        logging.basicConfig(level=os.environ["DISTGRAD_BENCH_LOG"].upper())
     phase = "import"
     try:
         rpc = import_rpc(impl)

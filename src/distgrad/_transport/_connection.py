@@ -253,6 +253,16 @@ class Connection:
             if self._queue:
                 self._queue.extend(_advance(pieces, 0))
                 return
+            if self._tls and not self._io.in_loop():
+                # An SSL object is not safe to use from two threads at once (OpenSSL; Python
+                # runs SSL_write and SSL_read without the GIL): the I/O thread reads it, so
+                # only the I/O thread writes it. Concurrent use corrupted TLS streams under
+                # load ("EOF occurred in violation of protocol" on both ends).
+                self._queue.extend(_advance(pieces, 0))
+                if not self._writer_armed:
+                    self._writer_armed = True
+                    self._io.call_soon(self._arm_writer)
+                return
             try:
                 written = self._write_some(pieces)
             except OSError as exc:
@@ -379,7 +389,7 @@ class Connection:
         for _ in range(_READS_PER_WAKEUP):
             buf = parser.get_buffer()
             try:
-                n = self._sock.recv_into(buf)
+                n = self._recv_tls(buf) if self._tls else self._sock.recv_into(buf)
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
                 return
             except ssl.SSLWantWriteError:
@@ -422,6 +432,29 @@ class Connection:
                     _log.exception("error while handling a frame from %s", self.peer_label)
             if n < len(buf) and not (self._tls and self._sock.pending()):  # type: ignore[attr-defined]
                 return
+        # Out of reads for this wake-up. Bytes TLS has already taken from the kernel (a
+        # record's decrypted rest) wake no reader: come back for them after the other work.
+        if self._tls and not self.closed and self._sock.pending():  # type: ignore[attr-defined]
+            self._io.loop.call_soon(self._on_readable)
+
+    def _recv_tls(self, buf: memoryview) -> int:
+        """Fill ``buf`` with what TLS has now: one SSL read returns at most one record (16
+        KiB), so a large frame would otherwise cost the parser a step per record. Raises as
+        ``recv_into`` when nothing could be read."""
+        view = buf
+        size = len(view)
+        total = 0
+        while total < size:
+            try:
+                n = self._sock.recv_into(view[total:])
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                if total:
+                    return total
+                raise
+            if n == 0:  # EOF: hand over what came before it; the next read reports it
+                return total
+            total += n
+        return total
 
     def _on_eof(self) -> None:
         # After our goodbye, the peer's EOF is the orderly end even without its own goodbye: a

@@ -531,14 +531,14 @@ class SocketTransport:
                 continue
             silent = now - conn.last_recv
             if judge and silent > cfg.peer_timeout and not conn.readable_now():
-                conn.close(
-                    PeerFailureError(
-                        f"{conn.peer_label} sent nothing for {silent:.1f}s "
-                        f"(peer timeout {cfg.peer_timeout:g}s); it is suspected: what "
-                        "waited on it fails, a later call connects again",
-                        conn.peer_label,
-                    )
+                error = PeerFailureError(
+                    f"{conn.peer_label} sent nothing for {silent:.1f}s "
+                    f"(peer timeout {cfg.peer_timeout:g}s); it is suspected: what "
+                    "waited on it fails, a later call connects again",
+                    conn.peer_label,
                 )
+                _log.warning("%s", error)
+                conn.close(error)
                 continue
             try:
                 conn.flush_later()  # frames that waited for a write that did not come
