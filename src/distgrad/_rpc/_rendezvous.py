@@ -168,12 +168,12 @@ def exchange_addresses(
     explicit = {rank: bool(rec.get("explicit_secret")) for rank, rec in enumerate(records)}
     mismatch = _check_secrets(explicit)
     if mismatch is not None:
-        barrier(store, "distgrad/secrets-checked", world_size)
+        barrier(store, "distgrad/secrets-checked", world_size, hosts_store=info.id == 0)
         raise RuntimeError(mismatch)
     for rank, rec in enumerate(records):
         name = str(rec["name"])
         if name in seen:
-            barrier(store, "distgrad/names-checked", world_size)
+            barrier(store, "distgrad/names-checked", world_size, hosts_store=info.id == 0)
             raise RuntimeError(
                 f"RPC worker name {name} is not unique. Workers {seen[name]} and {rank} share "
                 "the same name."
@@ -192,8 +192,15 @@ def exchange_addresses(
     return workers, addresses
 
 
-def barrier(store: Any, key: str, world_size: int) -> None:
-    """Every worker arrives at ``key`` before any leaves."""
+def barrier(store: Any, key: str, world_size: int, *, hosts_store: bool = False) -> None:
+    """Every worker arrives at ``key`` before any leaves. With ``hosts_store`` (the worker
+    that hosts the store, about to close it) this also waits until every other worker has
+    left: one slow to read that the barrier opened would otherwise find the store gone
+    ("Failed to recv ... Connection was likely closed") instead of the error they share."""
     if int(store.add(f"{key}/count", 1)) == world_size:
         store.set(f"{key}/done", "1")
     store.wait([f"{key}/done"])
+    if int(store.add(f"{key}/left", 1)) == world_size:
+        store.set(f"{key}/all-left", "1")
+    elif hosts_store:
+        store.wait([f"{key}/all-left"])
