@@ -99,10 +99,7 @@ def _cases() -> dict[str, Case]:
 
 CASES = _cases()
 #: known failures (strict: fixed means the mark goes)
-XFAIL = {
-    "RREF_CHILD_ACCEPT-dropped": "a child accept is a one-way notice, not retried: when it is "
-    "lost, the parent keeps holding the child's fork (resilience issue, lost control messages)",
-}
+XFAIL: dict[str, str] = {}
 
 
 def _tables(world: World) -> dict[int, dict[str, str]]:

@@ -12,10 +12,10 @@ from .._errors import DistgradError, RpcShutdownError
 from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from .._rpc._functions import after_current_task
-from ._context import CONTAINER, DistAutogradContext
+from ._context import _ID_BITS, CONTAINER, DistAutogradContext
 from ._engine import BackwardError
 
-__all__ = ["after_release"]
+__all__ = ["after_release", "release_orphans"]
 
 _log = logging.getLogger("distgrad.autograd")
 
@@ -101,3 +101,27 @@ def _send_cleanup_profiled(
             _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
 
     future.add_done_callback(done)
+
+
+def release_orphans(dead: int) -> None:
+    """Release the contexts that worker ``dead`` (proved dead) was this worker's only way to be
+    told about: those it created, and those whose creator this worker never messaged (the
+    context came through other workers, so the creator's cleanup reaches it only through them,
+    maybe only through the dead one). The release spreads to their known workers as a normal
+    cleanup does, so contexts further downstream of the dead worker are released too."""
+    agent = current_agent()
+    if agent is None or not agent.peer_is_dead(dead):
+        return  # a suspected peer may come back and clean up itself
+    me = CONTAINER.worker_id
+    for ctx in CONTAINER.contexts():
+        creator = ctx.context_id >> _ID_BITS
+        if creator == me:
+            continue  # the user's own context: released when the user leaves it
+        known = ctx._known_worker_ids()
+        if dead not in known and creator != dead:
+            continue
+        if creator != dead and creator in known:
+            continue  # the creator tells this worker directly
+        released = CONTAINER.release_context_if_present(ctx.context_id)
+        if released is not None:
+            after_release(released, frozenset({dead}))

@@ -357,6 +357,11 @@ class ContextContainer:
         """How many contexts live on this worker."""
         return len(self._contexts)
 
+    def contexts(self) -> list[DistAutogradContext]:
+        """The contexts that live on this worker (a snapshot)."""
+        with self._lock:
+            return list(self._contexts.values())
+
     def debug_info(self) -> dict[str, int]:
         """``_get_debug_info()``: exactly the two keys the reference reports."""
         self._require_init()
@@ -476,6 +481,9 @@ class WorkerContainer:
 
     def num_contexts(self) -> int:
         return self.get().num_contexts()
+
+    def contexts(self) -> list[DistAutogradContext]:
+        return self.get().contexts()
 
     def debug_info(self) -> dict[str, int]:
         return self.get().debug_info()

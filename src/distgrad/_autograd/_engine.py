@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .._errors import DistgradError
+from .._errors import DistgradError, RpcTimeoutError, rpc_timeout_message
 from .._rpc import _profiling
 from .._rpc._agent import current_agent
 from .._rpc._functions import async_execution, on_io_thread
@@ -544,8 +544,22 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
     # need a second thread to wake this one.
     driver = current.driver
     assert driver is not None
+    agent = current_agent()
+    bound = agent.rpc_timeout if agent is not None else 0.0
     while not current.finished:
-        items = [driver.get()]
+        if current.outstanding == 0 and bound > 0:
+            # Every first message is answered, so what is missing can only be a one-way gradient
+            # message: wait for it at most the RPC timeout (torch's bound) -- a lost one must
+            # fail the pass, naming the peers it waits on, never hang it.
+            try:
+                first = driver.get(timeout=bound)
+            except queue.Empty:
+                with ctx.lock:
+                    current.fail(_lost_gradients(current, bound))
+                break
+            items = [first]
+        else:
+            items = [driver.get()]
         while not driver.empty():  # what is already waiting is handled together
             items.append(driver.get())
         batch = [item for item in items if type(item) is tuple]
@@ -567,6 +581,29 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
             except Exception as exc:
                 current.fail(exc)
     current.done.wait()
+
+
+def _lost_gradients(current: Pass, bound: float) -> RpcTimeoutError:
+    """The error of a pass whose one-way gradient messages did not all come within ``bound``."""
+    agent = current_agent()
+    waited = sorted(
+        {
+            current.ctx.send_functions[key].dst
+            for key, source in current.sources.items()
+            if key != ROOT and not source.resolved
+        }
+    )
+    names = []
+    for worker in waited:
+        try:
+            assert agent is not None
+            names.append(agent.get_worker_info(worker).name)
+        except Exception:
+            names.append(f"worker id {worker}")
+    peers = ", ".join(names) if names else "its peers"
+    return RpcTimeoutError(
+        f"{rpc_timeout_message(bound)} (the backward pass waited for gradients from {peers})"
+    )
 
 
 def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> tuple[Pass, bool]:
@@ -667,6 +704,9 @@ def _on_peer_failure(worker: int, error: Exception) -> None:
         with current.ctx.lock:
             if not current.finished and current.waits_on(worker):
                 current.fail(error)
+    from ._cleanup import release_orphans  # (it imports this module)
+
+    release_orphans(worker)
 
 
 def install() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._context import CONTAINER, DistAutogradContext
+from ._engine import install
 from ._functions import SendRecord, attach_recv, attach_send
 
 __all__ = ["AutogradRecording"]
@@ -50,6 +51,8 @@ def _wrap(ctx: DistAutogradContext, dst: int, tensors: list[torch.Tensor], grad:
 
 def _attach(ext: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     context_id, msg_id, from_worker = ext
+    if not CONTAINER.has_context(context_id):
+        install()  # (the engine learns of lost peers: passes and orphaned contexts)
     ctx = CONTAINER.get_or_create_context(context_id)
     if tensors and _requires_grad(tensors):
         positions = [i for i, t in enumerate(tensors) if t.requires_grad]

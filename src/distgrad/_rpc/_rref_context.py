@@ -37,6 +37,7 @@ import torch
 from ._calls import set_future_error
 from ._functions import on_io_thread
 from ._messages import message_type
+from ._outbox import outbox_of
 
 if TYPE_CHECKING:
     from ._agent import RpcAgent
@@ -356,13 +357,10 @@ class RRefContext:
         parent RRef it holds for it. One way (a ``NOTIFY`` handled on the parent's I/O thread):
         nothing waits for an answer, and a user that sends an RRef to its owner in every call
         (an agent's RRef, in the batch RL pattern) would otherwise pay a request, a response
-        and four thread wake-ups per call. If it cannot be sent now, it goes as a retried
-        control message. A notice lost with its connection (the parent alive, the connection
-        dropped for a protocol error) leaves the parent held until shutdown."""
-        try:
-            self.agent.notify(parent, _child_accept_notice, (fork_id,))
-        except Exception:
-            self.control(parent, _child_accept, (fork_id,))
+        and four thread wake-ups per call. A reliable notice (``_outbox``): numbered, resent
+        until the parent acknowledges it (with its next write), run there once -- a notice that
+        is lost, or cannot be sent while the parent is suspected, reaches it when it is back."""
+        outbox_of(self.agent).send(parent, _child_accept_notice, (fork_id,))
 
     def request_fork(self, rref: RRef[Any], parent: int) -> None:
         """A UserRRef received from a user (not the owner): ask the owner to register its fork;
