@@ -34,7 +34,7 @@ def test_take_on_takes_exactly_the_calls_on_that_link() -> None:
     broken, healthy = _FakeLink(), _FakeLink()
     calls = []
     for link in (broken, healthy, broken):
-        call = _Call(table.next_id(), link, 1.0, False, torch.futures.Future())  # type: ignore[arg-type]
+        call = _Call(table.next_id(), link, 1.0, torch.futures.Future(), internal=False)  # type: ignore[arg-type]
         table.add(call)
         calls.append(call)
     assert table.arm(calls[0], time.monotonic() + 1.0)  # the wheel was idle: start it

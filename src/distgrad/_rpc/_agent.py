@@ -64,6 +64,7 @@ from ._outgoing import Outgoing
 from ._pool import ThreadPool
 from ._rref_context import RRefContext
 from ._serving import Serving
+from ._statistics import AgentState, AgentStatistics, StatisticsRecorder
 from ._worker_info import WorkerInfo
 
 __all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
@@ -110,8 +111,8 @@ class RpcAgent(Outgoing, Serving):
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
-        self._running = False
-        self._stopped = False
+        self.state = AgentState.CREATED
+        self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
         self.shutdown_hooks: list[Callable[[], None]] = []
         #: called (on a callback thread) with the rank and error of every peer found dead
@@ -148,6 +149,7 @@ class RpcAgent(Outgoing, Serving):
         self._transport = self._transport_factory(config, self._io, self, self._label)
         self._describe = self._transport.wants_message_info
         self.address = self._transport.listen(listen_host)
+        self.state = AgentState.LISTENING
         return self.address
 
     def set_peers(self, workers: list[WorkerInfo], addresses: dict[int, PeerAddress]) -> None:
@@ -157,7 +159,7 @@ class RpcAgent(Outgoing, Serving):
         assert self._transport is not None
         self._transport.set_peers(addresses)
         self._codec.set_peer_limits(addresses)
-        self._running = True
+        self.state = AgentState.RUNNING
 
     def _label(self, rank: int) -> str:
         info = self._by_rank.get(rank)
@@ -214,7 +216,29 @@ class RpcAgent(Outgoing, Serving):
         return self._transport
 
     def statistics(self) -> TransportStatistics:
+        """The transport's counters (connections, handshakes, dead peers, stalls)."""
         return self.transport.statistics()
+
+    def agent_statistics(self) -> AgentStatistics:
+        """A snapshot of this agent: its state, what is in flight, and its traffic per peer
+        (calls sent and failed, requests served and failed, bytes), with the transport's
+        counters."""
+        names = {rank: info.name for rank, info in self._by_rank.items()}
+        return AgentStatistics(
+            worker_name=self.worker_info.name,
+            state=self.state,
+            calls_in_flight=len(self._calls),
+            requests_in_flight=self._workers.busy(),
+            peers=self._stats.peers(names),
+            transport=self._transport.statistics() if self._transport is not None else None,
+        )
+
+    def __repr__(self) -> str:
+        info = self.worker_info
+        return (
+            f"<RpcAgent {info.name} (rank {info.id} of {self.world_size}) {self.state.value}, "
+            f"{len(self._calls)} calls in flight>"
+        )
 
     def peer_is_dead(self, dst: int) -> bool:
         """True once worker ``dst`` is known to be dead."""
@@ -240,7 +264,7 @@ class RpcAgent(Outgoing, Serving):
         self._io.call_soon(self._run_scheduled, fn)
 
     def _run_scheduled(self, fn: Callable[[], Any]) -> None:
-        if not self._stopped:
+        if not self.state.stopped:
             self._callbacks.submit(fn)
 
     # -- receiving (I/O thread) ------------------------------------------------------------------
@@ -260,13 +284,12 @@ class RpcAgent(Outgoing, Serving):
                 self._callbacks.submit(listener, conn.peer, error)
 
     # -- shutdown --------------------------------------------------------------------------------
-    def stop(self, graceful: bool) -> None:
+    def stop(self, *, graceful: bool) -> None:
         """Close connections (flushing first when ``graceful``), fail what still waits, and end
         every thread the agent owns. Idempotent."""
-        if self._stopped:
+        if self.state.stopped:
             return
-        self._stopped = True
-        self._running = False
+        self.state = AgentState.STOPPING
         if graceful:
             # Requests being served finish and write their responses before the connections
             # close (a follower leaving shutdown's last all-gather must not close the connection
@@ -280,3 +303,4 @@ class RpcAgent(Outgoing, Serving):
         self._io.stop()
         self.keepalive.clear()
         self.rref_leaks = self.rrefs.destroy()
+        self.state = AgentState.STOPPED

@@ -35,6 +35,7 @@ from ._codec import Codec
 from ._messages import describe_request
 from ._pool import ThreadPool
 from ._remote_error import exception_from_payload
+from ._statistics import AgentState, StatisticsRecorder
 from ._worker_info import WorkerInfo
 
 __all__ = ["Outgoing"]
@@ -63,7 +64,8 @@ class Outgoing:
     _workers: ThreadPool
     _callbacks: ThreadPool
     _pools: tuple[ThreadPool, ...]
-    _stopped: bool
+    state: AgentState
+    _stats: StatisticsRecorder
 
     def _member_pool(self) -> ThreadPool | None:
         """The agent's pool that the calling thread belongs to, if any."""
@@ -93,7 +95,7 @@ class Outgoing:
         force: bool,
         callback: AnswerCallback | None = None,
     ) -> _Call:
-        if self._stopped:
+        if self.state.stopped:
             raise self._stopped_error("REQUEST")
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
@@ -111,14 +113,22 @@ class Outgoing:
                 return made[-1]
 
             encoded = encode(payload, make_ext, check)
-        self._codec.check_size(encoded, dst.id)
+        size = self._codec.check_size(encoded, dst.id)
         calls = self._calls
         cid = calls.next_id()
-        call = _Call(cid, conn, self._effective_timeout(timeout), internal, future, callback)
+        call = _Call(
+            cid,
+            conn,
+            self._effective_timeout(timeout),
+            future,
+            internal=internal,
+            callback=callback,
+        )
         if not internal:
             with self._active_lock:
                 self._active += 1
         calls.add(call)
+        self._stats.sent(dst.id, size)
         try:
             if self._describe:
                 wrapped = bool(made) and made[0] is not None
@@ -245,7 +255,7 @@ class Outgoing:
         (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
         no wake-up of the peer of their own. Such a message is lost if the connection fails
         before it went out."""
-        if self._stopped:
+        if self.state.stopped:
             raise self._stopped_error("NOTIFY")
         assert self._transport is not None
         conn = self._transport.connection(dst)
@@ -385,6 +395,16 @@ class Outgoing:
             _log.exception("unhandled error in the answer handler of an internal call")
 
     def _done(self, call: _Call) -> None:
+        """Count a call that ended (taken out of the table)."""
+        frame = call.frame
+        if frame is None:
+            self._stats.answered(call.conn.peer, 0, failed=True)
+        else:
+            size = len(frame.meta)
+            if frame.buffers:
+                size += sum(buffer.nbytes for buffer in frame.buffers)
+            failed = call.error is not None or frame.kind == Kind.ERROR
+            self._stats.answered(call.conn.peer, size, failed=failed)
         if not call.internal:
             with self._active_lock:
                 self._active -= 1
@@ -409,7 +429,7 @@ class Outgoing:
             self._io.call_soon(self._tick)
 
     def _tick(self) -> None:
-        expired, more = self._calls.expire(time.monotonic(), stopping=self._stopped)
+        expired, more = self._calls.expire(time.monotonic(), stopping=self.state.stopped)
         for call in expired:
             call.error = RpcTimeoutError(rpc_timeout_message(call.timeout))
             self._finish(call)

@@ -28,6 +28,7 @@ from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
 from ._rref_context import RRefContext
+from ._statistics import AgentState, StatisticsRecorder
 from ._torchscript import is_script_function
 from ._worker_info import WorkerInfo
 
@@ -47,7 +48,8 @@ class Serving:
     _active_lock: threading.Lock
     _serving_async: int
     _workers: ThreadPool
-    _stopped: bool
+    state: AgentState
+    _stats: StatisticsRecorder
 
     if TYPE_CHECKING:
 
@@ -76,7 +78,7 @@ class Serving:
             return
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
-        elif self._stopped:
+        elif self.state.stopped:
             return
         elif getattr(func, "_distgrad_after_current", False):
             self._workers.submit_after_current(self._run_notification, func, args)
@@ -92,6 +94,10 @@ class Serving:
 
     # -- serve: decode -> wait for RRef confirmations -> run -> reply (worker threads) -----------
     def _serve(self, conn: Link, frame: Frame) -> None:
+        size = len(frame.meta)
+        if frame.buffers:
+            size += sum(buffer.nbytes for buffer in frame.buffers)
+        self._stats.request(conn.peer, size)
         extension = _extension.get_extension()
         states: list[Any] = []
 
@@ -245,6 +251,10 @@ class Serving:
         buffers: list[pickle.PickleBuffer] | None = None,
         flags: int = 0,
     ) -> None:
+        size = len(meta)
+        if buffers:
+            size += sum(buffer.raw().nbytes for buffer in buffers)
+        self._stats.replied(conn.peer, size, failed=kind == Kind.ERROR)
         try:
             conn.send_frame(kind, message_id, meta, buffers, flags)
         except DistgradError as exc:
