@@ -32,6 +32,7 @@ from . import _extension, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
+from ._extension import CallRecord
 from ._messages import describe_request
 from ._pool import ThreadPool
 from ._remote_error import exception_from_payload
@@ -101,13 +102,13 @@ class Outgoing:
         conn = self._transport.connection(dst.id)
         extension = _extension.get_extension()
         check = self._codec.device_check("Request", dst.id)
-        made: list[object] = []  # the extension's ext, once made
+        made: list[CallRecord | None] = []  # the extension's ext, once made
         if extension is None or internal or not extension.active():
             extension = None
             encoded = encode(payload, device_check=check)
         else:
 
-            def make_ext(tensors: list[torch.Tensor]) -> Any:
+            def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
                 assert extension is not None
                 made.append(extension.outgoing_request(dst.id, tensors, force))
                 return made[-1]

@@ -99,7 +99,7 @@ class Serving:
             size += sum(buffer.nbytes for buffer in frame.buffers)
         self._stats.request(conn.peer, size)
         extension = _extension.get_extension()
-        states: list[Any] = []
+        states: list[int | None] = []
 
         def on_table(ext: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             assert extension is not None
@@ -188,7 +188,7 @@ class Serving:
         func: Any,
         args: Any,
         kwargs: Any,
-        state: Any,
+        state: int | None,
     ) -> None:
         future = check_async_result(func(*args, **(kwargs or {})))
         with self._active_lock:
@@ -207,7 +207,7 @@ class Serving:
         future.add_done_callback(respond)
 
     # -- reply -----------------------------------------------------------------------------------
-    def _reply(self, conn: Link, message_id: int, result: Any, state: Any) -> None:
+    def _reply(self, conn: Link, message_id: int, result: Any, state: int | None) -> None:
         extension = _extension.get_extension()
         peer = conn.peer
         check = self._codec.device_check("Response", peer)
