@@ -39,7 +39,7 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,6 +92,38 @@ def _done_future() -> torch.futures.Future[None]:
     future: torch.futures.Future[None] = torch.futures.Future()
     future.set_result(None)
     return future
+
+
+class GradUpdate(NamedTuple):
+    """Gradients for one send function of a pass (or, with ``grads`` None, only its final
+    marker): what the driving thread's queue and :meth:`Pass.on_grad_messages` take."""
+
+    msg_id: int
+    grads: list[torch.Tensor] | None
+    #: the last message for this send function: ``total`` messages carried gradients
+    final: bool
+    total: int
+
+
+class GradMessage(NamedTuple):
+    """A gradient message between workers (the one argument of ``_grad_message`` and
+    ``_late_grad_message``)."""
+
+    context_id: int
+    pass_id: tuple[int, int]
+    retain: bool
+    src: int
+    update: GradUpdate
+
+
+class EngineRun(NamedTuple):
+    """One source of an engine run: its roots (tensors or gradient edges) and their
+    gradients; ``last``: the source's last run (its graph need not be retained for it)."""
+
+    key: int
+    roots: tuple[Any, ...]
+    grads: list[torch.Tensor]
+    last: bool
 
 
 class _Answer:
@@ -162,7 +194,7 @@ class Pass:
         self.done: torch.futures.Future[None] = torch.futures.Future()
         self.finished = False
         #: on the worker that called backward: gradient messages and answers for its thread
-        self.driver: queue.SimpleQueue[Any] | None = None
+        self.driver: queue.SimpleQueue[GradUpdate | _Answer | None] | None = None
         self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
         #: leaves whose gradient meets hooks, by id: they are accumulated once per pass
         self.hooked: dict[int, HookedLeaf] = {}
@@ -219,9 +251,8 @@ class Pass:
                 )
 
     # -- running torch's engine ------------------------------------------------------------------
-    def run(self, items: list[tuple[int, tuple[Any, ...], list[torch.Tensor], bool]]) -> None:
-        """One engine run from several sources: ``(key, roots, grads, last)`` each (roots: tensors
-        or gradient edges)."""
+    def run(self, items: list[EngineRun]) -> None:
+        """One engine run from several sources."""
         outputs: list[Any] = []
         grad_outputs: list[torch.Tensor] = []
         leaves: dict[int, torch.Tensor] = {}
@@ -318,20 +349,11 @@ class Pass:
         self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool
     ) -> None:
         record = state.record
-        self._message(
-            record.src,
-            _grad_message,
-            (
-                self.ctx.context_id,
-                self.pass_id,
-                self.retain_graph,
-                self.worker_id,
-                record.msg_id,
-                grads,
-                final,
-                state.sent,
-            ),
+        update = GradUpdate(record.msg_id, grads, final, state.sent)
+        message = GradMessage(
+            self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update
         )
+        self._message(record.src, _grad_message, (message,))
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -415,17 +437,10 @@ class Pass:
         self.sources[key].resolved = True
         self._flush_recvs()
 
-    def on_grad_message(
-        self, msg_id: int, grads: list[torch.Tensor] | None, final: bool, total: int
-    ) -> None:
-        self.on_grad_messages([(msg_id, grads, final, total)])
-
-    def on_grad_messages(
-        self, messages: list[tuple[int, list[torch.Tensor] | None, bool, int]]
-    ) -> None:
+    def on_grad_messages(self, messages: list[GradUpdate]) -> None:
         """Process gradient messages: the ones with gradients in one engine run (a subgraph
         shared by their send functions then runs once for all of them)."""
-        items: list[tuple[int, tuple[Any, ...], list[torch.Tensor], bool]] = []
+        items: list[EngineRun] = []
         touched: list[int] = []
         for msg_id, grads, final, total in messages:
             source = self.sources.get(msg_id)
@@ -443,7 +458,7 @@ class Pass:
                 if _profiler_enabled():  # the send function's event, as torch's node has
                     with torch.autograd.profiler.record_function(SEND_NAME):
                         pass
-                items.append((msg_id, record.get_roots(), grads, last))
+                items.append(EngineRun(msg_id, record.get_roots(), grads, last))
             touched.append(msg_id)
         if items:
             self.run(items)
@@ -534,7 +549,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
         try:
             current.start()
             ones = [torch.ones_like(root) for root in roots]
-            current.run([(ROOT, tuple(roots), ones, True)])
+            current.run([EngineRun(ROOT, tuple(roots), ones, True)])
             current.resolve(ROOT)
             current.flood()
         except Exception as exc:
@@ -562,7 +577,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
             items = [driver.get()]
         while not driver.empty():  # what is already waiting is handled together
             items.append(driver.get())
-        batch = [item for item in items if type(item) is tuple]
+        batch = [item for item in items if type(item) is GradUpdate]
         answers = [item for item in items if type(item) is _Answer]
         if not batch and not answers:
             continue
@@ -646,16 +661,8 @@ def _start_message(
 
 
 @async_execution
-def _grad_message(
-    context_id: int,
-    pass_id: tuple[int, int],
-    retain: bool,
-    src: int,
-    msg_id: int,
-    grads: list[torch.Tensor] | None,
-    final: bool,
-    total: int,
-) -> torch.futures.Future[None]:
+def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
+    context_id, pass_id, retain, src, update = message
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
         if ctx.last_pass_id == pass_id:  # a straggler of a pass already over here
@@ -666,10 +673,10 @@ def _grad_message(
         if current.finished:
             return _reply_for(current, first)
         if current.driver is not None:  # never the first message: answered at once
-            current.driver.put((msg_id, grads, final, total))
+            current.driver.put(update)
             return _done_future()
         try:
-            current.on_grad_message(msg_id, grads, final, total)
+            current.on_grad_messages([update])
             if first:
                 current.flood()
         except Exception as exc:
@@ -678,22 +685,19 @@ def _grad_message(
 
 
 @on_io_thread
-def _late_grad_message(*args: Any) -> None:
-    """A gradient message that needs no answer (``_grad_message``'s arguments; I/O thread). On
-    the worker that called backward it goes straight to the driving thread's queue; elsewhere to
-    a worker thread."""
-    context_id, pass_id = args[0], args[1]
-    ctx = CONTAINER.get_context(context_id)
+def _late_grad_message(message: GradMessage) -> None:
+    """A gradient message that needs no answer (I/O thread). On the worker that called
+    backward it goes straight to the driving thread's queue; elsewhere to a worker thread."""
+    ctx = CONTAINER.get_context(message.context_id)
     current = None if ctx is None else ctx.pass_state
-    if current is not None and current.pass_id == pass_id and current.driver is not None:
-        src = args[3]
-        current.in_touch.add(src)
-        current.heard_from.add(src)
-        current.driver.put(tuple(args[4:]))
+    if current is not None and current.pass_id == message.pass_id and current.driver is not None:
+        current.in_touch.add(message.src)
+        current.heard_from.add(message.src)
+        current.driver.put(message.update)
         return
     agent = current_agent()
     if agent is not None:
-        agent.schedule(lambda: _grad_message(*args))
+        agent.schedule(lambda: _grad_message(message))
 
 
 def _on_peer_failure(worker: int, error: Exception) -> None:

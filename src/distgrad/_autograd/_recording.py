@@ -2,7 +2,7 @@
 ``getMessageWithAutograd`` / ``addSendRpcBackward`` / ``addRecvRpcBackward``, SPEC 2.3).
 
 Installed into the RPC layer as its call extension. A message is *wrapped* -- its ``ext`` is
-``(context_id, autograd_message_id, from_worker)`` -- when the sending thread has a current
+a ``CallRecord(context_id, message_id, from_worker)`` -- when the sending thread has a current
 context and either a tensor in it requires grad (under grad mode) or the call kind forces it
 (Python functions, ``remote``, ``to_here``). A wrapped message adds its destination to the
 context's known workers; if tensors require grad it also gets a send function here and a recv
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import threading
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 
+from .._rpc._extension import CallRecord
 from ._context import CONTAINER, DistAutogradContext
 from ._engine import install
 from ._functions import SendRecord, attach_recv, attach_send
@@ -38,7 +38,9 @@ class _Unwalked(threading.local):
 _unwalked = _Unwalked()
 
 
-def _wrap(ctx: DistAutogradContext, dst: int, tensors: list[torch.Tensor], grad: bool) -> Any:
+def _wrap(
+    ctx: DistAutogradContext, dst: int, tensors: list[torch.Tensor], grad: bool
+) -> CallRecord:
     msg_id = CONTAINER.new_autograd_message_id()
     if grad:
         needing = [t for t in tensors if t.requires_grad]
@@ -46,10 +48,10 @@ def _wrap(ctx: DistAutogradContext, dst: int, tensors: list[torch.Tensor], grad:
         ctx.add_send_function(msg_id, record)
         _unwalked.records.append(record)
     ctx.add_known_worker(dst)
-    return (ctx.context_id, msg_id, CONTAINER.worker_id)
+    return CallRecord(ctx.context_id, msg_id, CONTAINER.worker_id)
 
 
-def _attach(ext: Any, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+def _attach(ext: CallRecord, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     context_id, msg_id, from_worker = ext
     if not CONTAINER.has_context(context_id):
         install()  # (the engine learns of lost peers: passes and orphaned contexts)
@@ -70,7 +72,9 @@ class AutogradRecording:
     def active(self) -> bool:
         return CONTAINER.current_context_id() != -1
 
-    def outgoing_request(self, dst: int, tensors: list[torch.Tensor], force: bool) -> Any:
+    def outgoing_request(
+        self, dst: int, tensors: list[torch.Tensor], force: bool
+    ) -> CallRecord | None:
         context_id = CONTAINER.current_context_id()
         if context_id == -1:
             return None
@@ -80,25 +84,27 @@ class AutogradRecording:
         return _wrap(CONTAINER.retrieve_context(context_id), dst, tensors, grad)
 
     def incoming_request(
-        self, src: int, ext: Any, tensors: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], Any]:
+        self, src: int, ext: CallRecord | None, tensors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], int | None]:
         if ext is None:
             return tensors, None
         return _attach(ext, tensors)
 
-    def scope(self, state: Any) -> AbstractContextManager[None]:
-        return CONTAINER.forced_current(int(state))
+    def scope(self, state: int) -> AbstractContextManager[None]:
+        return CONTAINER.forced_current(state)
 
-    def outgoing_response(self, state: Any, dst: int, tensors: list[torch.Tensor]) -> Any:
+    def outgoing_response(
+        self, state: int, dst: int, tensors: list[torch.Tensor]
+    ) -> CallRecord | None:
         if not _requires_grad(tensors):
             return None
-        ctx = CONTAINER.get_context(int(state))
+        ctx = CONTAINER.get_context(state)
         if ctx is None:  # released while the call ran
             return None
         return _wrap(ctx, dst, tensors, True)
 
     def incoming_response(
-        self, src: int, ext: Any, tensors: list[torch.Tensor]
+        self, src: int, ext: CallRecord | None, tensors: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         if ext is None:
             return tensors

@@ -388,7 +388,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                     break
     finally:
         set_current_agent(None)
-        agent.stop(graceful)
+        agent.stop(graceful=graceful)
     _check_rref_leaks(agent)
 
 

@@ -164,8 +164,9 @@ class _Call:
         cid: int,
         conn: Link,
         timeout: float,
-        internal: bool,
         future: torch.futures.Future[Any] | None,
+        *,
+        internal: bool,
         callback: Callable[[Any, BaseException | None], None] | None = None,
     ) -> None:
         self.cid = cid

@@ -12,35 +12,51 @@ the received tensors *before* the payload is built around them, and may substitu
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-__all__ = ["CallExtension", "get_extension", "set_extension"]
+__all__ = ["CallExtension", "CallRecord", "get_extension", "set_extension"]
+
+
+class CallRecord(NamedTuple):
+    """A message's ``ext``: what the layer above attaches to it (distributed autograd: the
+    context the call belongs to, the message's autograd id, the sending worker)."""
+
+    context_id: int
+    message_id: int
+    from_worker: int
 
 
 class CallExtension(Protocol):
+    """The layer above's part in calls. A callee's *state* for a request is the id of the
+    context its function runs in (``None``: the request needs nothing)."""
+
     def active(self) -> bool:
         """Caller thread: whether outgoing requests need the extension at all now (when not,
         the message is pickled in one pass, its tensors inline)."""
 
-    def outgoing_request(self, dst: int, tensors: list[torch.Tensor], force: bool) -> Any:
+    def outgoing_request(
+        self, dst: int, tensors: list[torch.Tensor], force: bool
+    ) -> CallRecord | None:
         """Caller thread, before sending a request: its ``ext`` (``None`` for none)."""
 
     def incoming_request(
-        self, src: int, ext: Any, tensors: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], Any]:
+        self, src: int, ext: CallRecord | None, tensors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], int | None]:
         """Callee: the tensors to build the payload with, and a state for running the call
         (``None`` when the request needs nothing)."""
 
-    def scope(self, state: Any) -> AbstractContextManager[None]:
+    def scope(self, state: int) -> AbstractContextManager[None]:
         """Callee: the context in which the user function runs."""
 
-    def outgoing_response(self, state: Any, dst: int, tensors: list[torch.Tensor]) -> Any:
+    def outgoing_response(
+        self, state: int, dst: int, tensors: list[torch.Tensor]
+    ) -> CallRecord | None:
         """Callee, before sending the response of a request that had a state: its ``ext``."""
 
     def incoming_response(
-        self, src: int, ext: Any, tensors: list[torch.Tensor]
+        self, src: int, ext: CallRecord | None, tensors: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Caller, on a response with a tensor table: the tensors to build the result with."""
 

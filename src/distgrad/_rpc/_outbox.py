@@ -102,7 +102,7 @@ class Outbox:
         while True:
             time.sleep(self.resend_after / 2)
             agent = self._agent()
-            if agent is None or agent._stopped:
+            if agent is None or agent.state.stopped:
                 with self._lock:
                     self._timer = None
                 return

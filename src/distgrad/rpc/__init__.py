@@ -40,16 +40,20 @@ from .._rpc._options import (
 )
 from .._rpc._remote_error import RemoteTraceback
 from .._rpc._rref import RRef
+from .._rpc._statistics import AgentState, AgentStatistics, PeerStatistics
 from .._rpc._worker_info import WorkerInfo
 from . import api, backend_registry, constants, functions
 
 __all__ = [
+    "AgentState",
+    "AgentStatistics",
     "BackendType",
     "BackendValue",
     "DistgradError",
     "HandshakeError",
     "MessageTooLargeError",
     "PeerFailureError",
+    "PeerStatistics",
     "ProtocolError",
     "RRef",
     "RemoteTraceback",
@@ -131,5 +135,8 @@ for _name in (
     "TensorPipeRpcBackendOptions",
     "RemoteTraceback",
     "RRef",
+    "AgentState",
+    "AgentStatistics",
+    "PeerStatistics",
 ):
     globals()[_name].__module__ = __name__

@@ -1,0 +1,438 @@
+"""The outgoing stages of the agent: a call is encoded (``_codec``), registered in the calls
+table (``_call_table``) and sent; its answer -- a response, an error reply, a timeout, a peer
+failure or the agent stopping -- completes or fails it, for whoever waits: the caller's thread
+(``rpc_sync``), a future completed on a callback thread (``rpc_async``), or an internal
+callback run where the answer arrives (``call_internal``).
+
+:class:`Outgoing` is a part of :class:`~distgrad._rpc._agent.RpcAgent`; the attributes it
+declares are the agent's."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._errors import (
+    InjectedFailureError,
+    PeerFailureError,
+    RpcShutdownError,
+    RpcTimeoutError,
+    rpc_timeout_message,
+)
+from .._transport._base import Link, Transport
+from .._transport._io import IoThread
+from .._wire._frames import Frame, Kind
+from .._wire._pickler import decode, encode, loads
+from . import _extension, _profiling
+from ._call_table import TICK, CallTable
+from ._calls import RpcFuture, _Call, set_future_error
+from ._codec import Codec
+from ._extension import CallRecord
+from ._messages import describe_request
+from ._pool import ThreadPool
+from ._remote_error import exception_from_payload
+from ._statistics import AgentState, StatisticsRecorder
+from ._worker_info import WorkerInfo
+
+__all__ = ["Outgoing"]
+
+_log = logging.getLogger("distgrad.rpc")
+
+_RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
+_RETRY_BACKOFF = 0.05  # seconds before the first retry; doubles each time
+
+#: what an internal call's answer is handed to: ``(result, error)``
+AnswerCallback = Callable[[Any, BaseException | None], None]
+
+
+class Outgoing:
+    """Requests out, answers back (a part of the agent)."""
+
+    worker_info: WorkerInfo
+    rpc_timeout: float
+    _transport: Transport | None
+    _describe: bool
+    _codec: Codec
+    _calls: CallTable
+    _active: int
+    _active_lock: threading.Lock
+    _io: IoThread
+    _workers: ThreadPool
+    _callbacks: ThreadPool
+    _pools: tuple[ThreadPool, ...]
+    state: AgentState
+    _stats: StatisticsRecorder
+
+    def _member_pool(self) -> ThreadPool | None:
+        """The agent's pool that the calling thread belongs to, if any."""
+        for pool in self._pools:
+            if pool.is_member():
+                return pool
+        return None
+
+    # -- send: encode, register, write -----------------------------------------------------------
+    def _effective_timeout(self, timeout: float) -> float:
+        return self.rpc_timeout if timeout < 0 else timeout
+
+    def _stopped_error(self, kind: str) -> RpcShutdownError:
+        return RpcShutdownError(
+            f"Node {self.worker_info.id}tried to send() a message of type {kind} "
+            "but RPC is no longer running on this node."
+        )
+
+    def _send(
+        self,
+        dst: WorkerInfo,
+        payload: tuple[Any, ...],
+        timeout: float,
+        future: torch.futures.Future[Any] | None,
+        *,
+        internal: bool,
+        force: bool,
+        callback: AnswerCallback | None = None,
+    ) -> _Call:
+        if self.state.stopped:
+            raise self._stopped_error("REQUEST")
+        assert self._transport is not None
+        conn = self._transport.connection(dst.id)
+        extension = _extension.get_extension()
+        check = self._codec.device_check("Request", dst.id)
+        made: list[CallRecord | None] = []  # the extension's ext, once made
+        if extension is None or internal or not extension.active():
+            extension = None
+            encoded = encode(payload, device_check=check)
+        else:
+
+            def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
+                assert extension is not None
+                made.append(extension.outgoing_request(dst.id, tensors, force))
+                return made[-1]
+
+            encoded = encode(payload, make_ext, check)
+        size = self._codec.check_size(encoded, dst.id)
+        calls = self._calls
+        cid = calls.next_id()
+        call = _Call(
+            cid,
+            conn,
+            self._effective_timeout(timeout),
+            future,
+            internal=internal,
+            callback=callback,
+        )
+        if not internal:
+            with self._active_lock:
+                self._active += 1
+        calls.add(call)
+        self._stats.sent(dst.id, size)
+        try:
+            if self._describe:
+                wrapped = bool(made) and made[0] is not None
+                info = describe_request(payload[0], payload[1], wrapped=wrapped)
+                conn.send_frame(
+                    Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
+                )
+            else:
+                conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
+        except BaseException:
+            if calls.pop(cid) is not None:
+                self._done(call)
+            raise
+        finally:
+            if extension is not None:
+                extension.sent()
+        # The link broke after the call was registered: its failure may have taken the calls
+        # out before this one was in (see _call_table), so fail it here if it is still there.
+        if conn.closed and calls.pop(cid) is not None:
+            self._done(call)
+            raise conn.broken_error()
+        return call
+
+    def call_sync(
+        self,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        *,
+        force: bool = True,
+        internal: bool = False,
+    ) -> Any:
+        """Send a request and wait for its result (raising remote errors).
+
+        ``force`` asks the extension to record the call even without grad-requiring tensors
+        (torch records every Python UDF call inside a context, but not builtin operators)."""
+        if _profiling.wants(func):  # the only cost of profiling support when it is off
+            return _profiling.call_sync(
+                self.call_sync, self.worker_info, dst, func, args, kwargs, timeout, force, internal
+            )
+        call = self._send(dst, (func, args, kwargs), timeout, None, internal=internal, force=force)
+        lock = call.lock
+        assert lock is not None
+        pool = self._member_pool()
+        if pool is not None:  # a pool thread waiting here frees its slot meanwhile
+            pool.enter_blocking()
+        try:
+            if call.timeout > 0:
+                if not lock.acquire(timeout=call.timeout):
+                    if self._calls.pop(call.cid) is not None:
+                        self._done(call)
+                        raise RpcTimeoutError(rpc_timeout_message(call.timeout))
+                    lock.acquire()  # completed while we timed out: take the result
+            else:
+                lock.acquire()
+        finally:
+            if pool is not None:
+                pool.exit_blocking()
+        return self._result(call)
+
+    def call_async(
+        self,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        *,
+        force: bool = True,
+        internal: bool = False,
+    ) -> torch.futures.Future[Any]:
+        """Send a request; return a ``torch.futures.Future`` of its result."""
+        if _profiling.wants(func):
+            return _profiling.call_async(
+                self.call_async, self.worker_info, dst, func, args, kwargs, timeout, force, internal
+            )
+        future = RpcFuture()
+        future._pools = self._pools
+        try:
+            call = self._send(
+                dst, (func, args, kwargs), timeout, future, internal=internal, force=force
+            )
+        except InjectedFailureError as exc:  # as torch's faulty agent: a failed future
+            set_future_error(future, exc)
+            return future
+        if call.timeout > 0:
+            self._arm_timeout(call)
+        return future
+
+    if TYPE_CHECKING:
+
+        def get_worker_info(self, to: str | int | None = None) -> WorkerInfo: ...
+
+    def call_internal(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        on_done: AnswerCallback,
+        timeout: float = -1.0,
+    ) -> None:
+        """An internal request with no future: ``on_done(result, error)`` is called where the
+        answer arrives -- the I/O thread, normally; the sending thread if the send itself fails
+        after the call was registered; the timer when it times out (``timeout`` seconds, -1:
+        the default RPC timeout, as torch's gradient messages; 0: none) -- so it must be quick
+        and must not block. Raises (and does not call ``on_done``) if the request cannot be
+        sent at all."""
+        info = self.get_worker_info(dst)
+        call = self._send(
+            info, (func, args, {}), timeout, None, internal=True, force=False, callback=on_done
+        )
+        if call.timeout > 0:
+            self._arm_timeout(call)
+
+    def notify(self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False) -> None:
+        """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
+        nothing (an error there is logged there). The layer above learns of a lost peer through
+        the agent's failure detection, not through this call. Raises if it cannot be sent.
+
+        With ``later``, the message goes out with this worker's next write to ``dst`` (after
+        that write's frame), or at the latest with the next heartbeat tick
+        (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
+        no wake-up of the peer of their own. Such a message is lost if the connection fails
+        before it went out."""
+        if self.state.stopped:
+            raise self._stopped_error("NOTIFY")
+        assert self._transport is not None
+        conn = self._transport.connection(dst)
+        encoded = encode((func, args))
+        self._codec.check_size(encoded, dst)
+        info = describe_request(func, args, wrapped=False) if self._describe else None
+        if later:
+            conn.send_frame_later(
+                Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info
+            )
+            return
+        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
+
+    def send_with_retries(
+        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
+    ) -> torch.futures.Future[Any]:
+        """An internal message whose handler is idempotent (the reference's
+        ``sendWithRetries``): a failure other than a dead peer or a stopped agent -- a timeout
+        (each attempt has the default RPC timeout) included -- is retried, after a pause that
+        doubles each time (``_RETRY_BACKOFF``). The future completes with
+        the result or the last error."""
+        result: torch.futures.Future[Any] = torch.futures.Future()
+
+        def failed(exc: BaseException, left: int) -> None:
+            if isinstance(exc, (PeerFailureError, RpcShutdownError)) or left <= 1:
+                set_future_error(result, exc)
+                return
+            pause = _RETRY_BACKOFF * 2 ** (attempts - left)
+
+            def retry() -> None:  # on the I/O thread: the attempt may block, so not here
+                try:
+                    self._callbacks.submit(attempt, left - 1)
+                except RuntimeError:  # the pool is stopped: this agent stopped
+                    set_future_error(result, exc)
+
+            try:
+                self._io.call_soon(self._io.loop.call_later, pause, retry)
+            except RuntimeError:  # the I/O loop is gone: this agent stopped
+                set_future_error(result, exc)
+
+        def attempt(left: int) -> None:
+            try:
+                # the default timeout: an attempt that is lost is retried after it
+                future = self.call_async(self.get_worker_info(dst), func, args, {}, internal=True)
+            except BaseException as exc:  # the peer is gone, this agent stops, bad arguments
+                set_future_error(result, exc)
+                return
+
+            def done(answered: torch.futures.Future[Any]) -> None:
+                try:
+                    value = answered.wait()
+                except BaseException as exc:
+                    failed(exc, left)
+                else:
+                    result.set_result(value)
+
+            future.add_done_callback(done)
+
+        attempt(attempts)
+        return result
+
+    # -- complete or fail ------------------------------------------------------------------------
+    def _on_answer(self, frame: Frame) -> None:
+        """A response or error reply arrived (I/O thread)."""
+        call = self._calls.pop(frame.message_id)
+        if call is None:
+            return  # the call timed out or was failed already; the late response is dropped
+        call.frame = frame
+        self._finish(call)
+
+    def _fail_calls_on(self, conn: Link, error: Exception) -> None:
+        """Fail every call waiting on ``conn``, which broke (I/O thread)."""
+        for call in self._calls.take_on(conn):
+            call.error = PeerFailureError(str(error), conn.peer_label)
+            self._finish(call)
+
+    def _fail_all_calls(self, error: BaseException) -> None:
+        for call in self._calls.take_all():
+            call.error = error
+            self._finish(call)
+
+    def _result(self, call: _Call) -> Any:
+        if call.error is not None:
+            raise call.error
+        frame = call.frame
+        assert frame is not None
+        if frame.kind == Kind.ERROR:
+            message, tb, pickled_type = loads(frame.meta)
+            raise exception_from_payload(message, tb, pickled_type)
+        extension = _extension.get_extension()
+        if extension is None or call.internal:
+            return decode(frame.meta, frame.buffers, frame.flags)[1]
+        peer = call.conn.peer
+        return decode(
+            frame.meta,
+            frame.buffers,
+            frame.flags,
+            lambda ext, tensors: extension.incoming_response(peer, ext, tensors),
+        )[1]
+
+    def _complete_future(self, call: _Call) -> None:
+        future = call.future
+        assert future is not None
+        try:
+            result = self._result(call)
+        except BaseException as exc:
+            set_future_error(future, exc)
+        else:
+            future.set_result(result)
+
+    def _finish(self, call: _Call) -> None:
+        """Hand a finished call (taken out of the table; frame or error set) to whoever waits
+        for it."""
+        self._done(call)
+        if call.lock is not None:
+            call.lock.release()
+        elif call.callback is not None:
+            self._run_callback(call)
+        else:
+            try:
+                self._callbacks.submit(self._complete_future, call)
+            except RuntimeError:  # the callback pool is stopped (shutting down): complete here
+                self._complete_future(call)
+
+    def _run_callback(self, call: _Call) -> None:
+        callback = call.callback
+        assert callback is not None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = self._result(call)
+        except BaseException as exc:
+            error = exc
+        try:
+            callback(result, error)
+        except BaseException:
+            _log.exception("unhandled error in the answer handler of an internal call")
+
+    def _done(self, call: _Call) -> None:
+        """Count a call that ended (taken out of the table)."""
+        frame = call.frame
+        if frame is None:
+            self._stats.answered(call.conn.peer, 0, failed=True)
+        else:
+            size = len(frame.meta)
+            if frame.buffers:
+                size += sum(buffer.nbytes for buffer in frame.buffers)
+            failed = call.error is not None or frame.kind == Kind.ERROR
+            self._stats.answered(call.conn.peer, size, failed=failed)
+        if not call.internal:
+            with self._active_lock:
+                self._active -= 1
+
+    def active_calls(self) -> int:
+        """User calls from this worker still waiting for their response."""
+        return self._active
+
+    def wait_until_idle(self, deadline: float | None) -> None:
+        """Wait until no user call from this worker is in flight (or raise at ``deadline``)."""
+        while self._active > 0:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RpcTimeoutError(
+                    f"{self._active} RPCs from {self.worker_info.name} still in flight at the "
+                    "shutdown timeout"
+                )
+            time.sleep(0.002)
+
+    # -- timeouts of rpc_async and internal calls (I/O thread) -----------------------------------
+    def _arm_timeout(self, call: _Call) -> None:
+        if self._calls.arm(call, time.monotonic() + call.timeout):
+            self._io.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        expired, more = self._calls.expire(time.monotonic(), stopping=self.state.stopped)
+        for call in expired:
+            call.error = RpcTimeoutError(rpc_timeout_message(call.timeout))
+            self._finish(call)
+        if more:
+            self._io.loop.call_later(TICK, self._tick)

@@ -1,0 +1,308 @@
+"""The serving stages of the agent: a request arrives (I/O thread) and goes to the worker pool,
+where it is decoded, waits until the owners confirmed the RRefs in its arguments, runs, and is
+answered (its result encoded as a response, or its error as an error reply); a one-way
+notification runs its handler where it is marked to.
+
+:class:`Serving` is a part of :class:`~distgrad._rpc._agent.RpcAgent`; the attributes it
+declares are the agent's."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._errors import DistgradError, RpcShutdownError, RpcTimeoutError, rpc_timeout_message
+from .._transport._base import Link, MessageInfo
+from .._wire._frames import Frame, Kind
+from .._wire._pickler import decode, dumps, encode, loads
+from . import _extension
+from ._calls import check_async_result, is_builtin
+from ._codec import UDF_MISSING, Codec
+from ._messages import describe_request, describe_response
+from ._pool import ThreadPool
+from ._remote_error import error_payload, report_udf_error
+from ._rref_context import RRefContext
+from ._statistics import AgentState, StatisticsRecorder
+from ._torchscript import is_script_function
+from ._worker_info import WorkerInfo
+
+__all__ = ["Serving"]
+
+_log = logging.getLogger("distgrad.rpc")
+
+
+class Serving:
+    """Requests in, replies out (a part of the agent)."""
+
+    worker_info: WorkerInfo
+    rpc_timeout: float
+    rrefs: RRefContext
+    _describe: bool
+    _codec: Codec
+    _active_lock: threading.Lock
+    _serving_async: int
+    _workers: ThreadPool
+    state: AgentState
+    _stats: StatisticsRecorder
+
+    if TYPE_CHECKING:
+
+        def blocking(self) -> contextlib.AbstractContextManager[None]: ...
+
+    # -- receive (I/O thread) --------------------------------------------------------------------
+    def _on_request(self, conn: Link, frame: Frame) -> None:
+        try:
+            self._workers.submit(self._serve, conn, frame)
+        except RuntimeError:  # the pool is stopped: say so rather than let the caller wait
+            self._reply_error(
+                conn,
+                frame.message_id,
+                RpcShutdownError(
+                    f"{self.worker_info.name} is shutting down and takes no more requests"
+                ),
+            )
+
+    def _on_notify(self, conn: Link, frame: Frame) -> None:
+        try:
+            func, args = loads(frame.meta, frame.buffers, frame.flags)
+        except BaseException as exc:
+            _log.warning(
+                "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
+            )
+            return
+        if getattr(func, "_distgrad_on_io_thread", False):
+            self._run_notification(func, args)
+        elif self.state.stopped:
+            return
+        elif getattr(func, "_distgrad_after_current", False):
+            self._workers.submit_after_current(self._run_notification, func, args)
+        else:
+            self._workers.submit(self._run_notification, func, args)
+
+    @staticmethod
+    def _run_notification(func: Any, args: tuple[Any, ...]) -> None:
+        try:
+            func(*args)
+        except BaseException:
+            _log.exception("unhandled error in the notification handler %r", func)
+
+    # -- serve: decode -> wait for RRef confirmations -> run -> reply (worker threads) -----------
+    def _serve(self, conn: Link, frame: Frame) -> None:
+        size = len(frame.meta)
+        if frame.buffers:
+            size += sum(buffer.nbytes for buffer in frame.buffers)
+        self._stats.request(conn.peer, size)
+        extension = _extension.get_extension()
+        states: list[int | None] = []
+
+        def on_table(ext: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            assert extension is not None
+            tensors, state = extension.incoming_request(conn.peer, ext, tensors)
+            states.append(state)
+            return tensors
+
+        previous = RRefContext.start_collecting()
+        try:
+            _ext, (func, args, kwargs) = decode(
+                frame.meta, frame.buffers, frame.flags, on_table if extension else None
+            )
+        except BaseException as exc:
+            if isinstance(exc, (AttributeError, ImportError)):
+                error = RuntimeError(f"{UDF_MISSING} ({exc!r})")
+                report_udf_error(error, str(self.worker_info))
+            else:
+                error = RuntimeError(f"could not unpickle the request: {exc!r}")
+            unrun: BaseException | None = error
+        else:
+            unrun = None
+        finally:
+            unconfirmed = RRefContext.stop_collecting(previous)
+        if self._describe and unrun is None:  # replies go out described (fault injection)
+            wrapped = bool(states) and states[0] is not None
+            conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
+        if unrun is None and unconfirmed:  # RRefs in the arguments: run once owners know them
+            try:
+                self._wait_confirmed(unconfirmed)
+            except BaseException as exc:
+                unrun = exc
+        if unrun is not None:
+            # Failed before the function ran. A remote() creation's error is its value's (as
+            # if the function had raised it), and the creation is answered: a to_here()
+            # already on its way raises it instead of waiting for a value never set.
+            if self.rrefs.fail_creation(unrun):
+                self._reply(conn, frame.message_id, None, None)
+            else:
+                self._reply_error(conn, frame.message_id, unrun)
+            return
+        del frame.buffers[:]
+        state = states[0] if states else None
+        try:
+            if state is None:
+                if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                    self._serve_async(conn, frame.message_id, func, args, kwargs, None)
+                    return
+                result = func(*args, **(kwargs or {}))
+            else:
+                assert extension is not None
+                with extension.scope(state):
+                    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                        self._serve_async(conn, frame.message_id, func, args, kwargs, state)
+                        return
+                    result = func(*args, **(kwargs or {}))
+        except BaseException as exc:
+            # builtin operators' and TorchScript functions' errors keep their bare message;
+            # TorchScript's own (torch.jit.Error) arrive as RuntimeError, as torch's do
+            builtin = is_builtin(func)
+            if is_script_function(func):
+                builtin = True
+                if not isinstance(exc, RuntimeError):
+                    exc = RuntimeError(str(exc))
+            if not builtin:  # as the reference's callee: a Python function's error is printed
+                report_udf_error(exc, str(self.worker_info))
+            self._reply_error(conn, frame.message_id, exc, builtin=builtin)
+            return
+        self._reply(conn, frame.message_id, result, state)
+
+    def _wait_confirmed(self, users: list[Any]) -> None:
+        """Wait until the owners confirmed the UserRRefs received in a request (the reference
+        runs no user function before that), or raise why they never will be."""
+        timeout = self.rpc_timeout if self.rpc_timeout > 0 else None
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        with self.blocking():
+            for rref in users:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not rref._settled.wait(left):
+                    raise RpcTimeoutError(rpc_timeout_message(self.rpc_timeout))
+                rref._check_usable()
+
+    def _serve_async(
+        self,
+        conn: Link,
+        message_id: int,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+    ) -> None:
+        future = check_async_result(func(*args, **(kwargs or {})))
+        with self._active_lock:
+            self._serving_async += 1
+
+        def respond(done: torch.futures.Future[Any]) -> None:
+            with self._active_lock:
+                self._serving_async -= 1
+            try:
+                result = done.value()
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            self._reply(conn, message_id, result, state)
+
+        future.add_done_callback(respond)
+
+    # -- reply -----------------------------------------------------------------------------------
+    def _reply(self, conn: Link, message_id: int, result: Any, state: int | None) -> None:
+        extension = _extension.get_extension()
+        peer = conn.peer
+        check = self._codec.device_check("Response", peer)
+        if state is None or extension is None:
+            try:
+                encoded = encode(result, device_check=check)
+                self._codec.check_size(encoded, peer)
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            self._write(conn, Kind.RESPONSE, message_id, encoded.meta, encoded.buffers)
+            return
+        try:
+            try:
+                encoded = encode(
+                    result,
+                    lambda tensors: extension.outgoing_response(state, peer, tensors),
+                    check,
+                )
+                self._codec.check_size(encoded, peer)
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            flags = encoded.flags
+            self._write(conn, Kind.RESPONSE, message_id, encoded.meta, encoded.buffers, flags)
+        finally:
+            extension.sent()
+
+    def _reply_error(
+        self, conn: Link, message_id: int, exc: BaseException, *, builtin: bool = False
+    ) -> None:
+        payload = error_payload(exc, str(self.worker_info), builtin)
+        self._write(conn, Kind.ERROR, message_id, dumps(payload)[0])
+
+    def _write(
+        self,
+        conn: Link,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+    ) -> None:
+        size = len(meta)
+        if buffers:
+            size += sum(buffer.raw().nbytes for buffer in buffers)
+        self._stats.replied(conn.peer, size, failed=kind == Kind.ERROR)
+        try:
+            conn.send_frame(kind, message_id, meta, buffers, flags)
+        except DistgradError as exc:
+            _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
+
+
+class _ReplyLink:
+    """The link of a request, for its replies, where the transport wants each frame described:
+    it describes them as the response (or error) to that request."""
+
+    def __init__(self, link: Link, request: MessageInfo) -> None:
+        self._link = link
+        self._request = request
+        self.peer = link.peer
+        self.peer_label = link.peer_label
+
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
+
+    def send_frame(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        described = describe_response(self._request, error=kind == Kind.ERROR)
+        self._link.send_frame(kind, message_id, meta, buffers, flags, info=described)
+
+    def send_frame_later(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None = None,
+        flags: int = 0,
+        *,
+        info: MessageInfo | None = None,
+    ) -> None:
+        described = describe_response(self._request, error=kind == Kind.ERROR)
+        self._link.send_frame_later(kind, message_id, meta, buffers, flags, info=described)
+
+    def broken_error(self) -> DistgradError:
+        return self._link.broken_error()
+
+    def close(self, error: Exception | None = None) -> None:
+        self._link.close(error)
