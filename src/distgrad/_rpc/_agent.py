@@ -63,6 +63,7 @@ from .._wire._frames import Frame, Kind
 from .._wire._pickler import Encoded, decode, dumps, encode, loads
 from . import _extension, _profiling
 from ._calls import RpcFuture, _Call, check_async_result, is_builtin, set_future_error
+from ._events import MembershipEvent, MembershipKind
 from ._messages import describe_request, describe_response
 from ._options import TensorPipeRpcBackendOptions
 from ._pool import ThreadPool
@@ -106,10 +107,20 @@ class RpcAgent:
         *,
         transport: TransportFactory,
         isolated: bool = False,
+        dynamic: bool = False,
     ) -> None:
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
+        #: members join and leave (``init_rpc(world_size=None)``)
+        self.dynamic = dynamic
+        #: the random id of this start of the agent (presented in every handshake)
+        self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
+        self._incarnation_of: dict[int, int] = {rank: self.incarnation}
+        #: members that left the group (by name), for errors that name them as departed
+        self.departed: dict[str, WorkerInfo] = {}
+        #: called (on a callback thread) with every :class:`MembershipEvent`
+        self.membership_listeners: list[Callable[[MembershipEvent], None]] = []
         self.options = options
         self.rpc_timeout = options.rpc_timeout
         self.isolated = isolated
@@ -167,6 +178,8 @@ class RpcAgent:
             server_ssl=opts.server_ssl_context,
             client_ssl=opts.client_ssl_context,
             fail_stop=opts.fail_stop or _config.env_flag(_config.ENV_FAIL_STOP, False),
+            incarnation=self.incarnation,
+            dynamic=self.dynamic,
         )
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
@@ -179,6 +192,9 @@ class RpcAgent:
         for info in workers:
             self._by_name[info.name] = info
             self._by_rank[info.id] = info
+        for rank, address in addresses.items():
+            if address.incarnation:
+                self._incarnation_of[rank] = address.incarnation
         assert self._transport is not None
         self._transport.set_peers(addresses)
         self._peer_limits = {
@@ -187,6 +203,60 @@ class RpcAgent:
             if 0 < address.max_message_size < self.options.max_message_size
         }
         self._running = True
+
+    # -- membership (dynamic groups) -------------------------------------------------------------
+    def incarnation_of(self, rank: int) -> int:
+        """The incarnation known for the member of ``rank`` (0: none known)."""
+        return self._incarnation_of.get(rank, 0)
+
+    def add_member(self, info: WorkerInfo, address: PeerAddress) -> None:
+        """A member joined (or rejoined under its name: a new incarnation)."""
+        old = self._by_rank.get(info.id)
+        known = self._incarnation_of.get(info.id, 0)
+        if old is not None and old.name != info.name:
+            self._by_name.pop(old.name, None)
+        self._by_name[info.name] = info
+        self._by_rank[info.id] = info
+        self.departed.pop(info.name, None)
+        self._incarnation_of[info.id] = address.incarnation
+        if 0 < address.max_message_size < self.options.max_message_size:
+            self._peer_limits[info.id] = address.max_message_size
+        else:
+            self._peer_limits.pop(info.id, None)
+        self.transport.add_peer(info.id, address)
+        if old is not None and known and known != address.incarnation:
+            self._membership_event("restarted", info, known)
+        self._membership_event("joined", info, address.incarnation)
+
+    def remove_member(self, rank: int, incarnation: int) -> None:
+        """The member of ``rank`` left the group (a graceful shutdown): later calls to it fail
+        at once naming it as departed; contexts it took part in are failed and cleaned."""
+        info = self._by_rank.get(rank)
+        if info is None or info == self.worker_info:
+            return
+        if incarnation and self._incarnation_of.get(rank, incarnation) != incarnation:
+            return  # a replaced incarnation says goodbye: the member itself stays
+        del self._by_rank[rank]
+        self._by_name.pop(info.name, None)
+        self.departed[info.name] = info
+        error = PeerFailureError(
+            f"worker {info.name} (rank {rank}) has left the RPC group (it shut down)",
+            f"worker {info.name} (rank {rank})",
+        )
+        self.transport.remove_peer(rank, error)
+        for listener in list(self.peer_failure_listeners):
+            self._callbacks.submit(listener, rank, error)
+        self._membership_event("left", info, incarnation)
+
+    def _membership_event(self, kind: MembershipKind, info: WorkerInfo, incarnation: int) -> None:
+        event = MembershipEvent(kind, info, incarnation, time.time())
+        _log.info("membership: %s", event)
+        for listener in list(self.membership_listeners):
+            self._callbacks.submit(listener, event)
+
+    def members(self) -> list[WorkerInfo]:
+        """The current members (this worker included), by rank."""
+        return self.get_worker_infos()
 
     def _label(self, rank: int) -> str:
         info = self._by_rank.get(rank)
@@ -199,9 +269,11 @@ class RpcAgent:
         if isinstance(to, str):
             info = self._by_name.get(to)
             if info is None:
+                gone = self.departed.get(to)
                 raise RuntimeError(
                     f"name:{self.worker_info.name},rank:{self.worker_info.id} "
                     f"could not find destination name {to}"
+                    + (f" (worker {to} (rank {gone.id}) has left the RPC group)" if gone else "")
                 )
             return info
         info = self._by_rank.get(to)
