@@ -124,19 +124,36 @@ def join_group(
         workers = [WorkerInfo(str(rec["name"]), rank) for rank, rec in records.items()]
         addresses = {rank: _rendezvous.address_from_record(rec) for rank, rec in records.items()}
         addresses[me.id] = address
-        agent.set_peers([me, *workers], addresses)
-        joined: list[WorkerInfo] = []
+        joined = announce_join(agent, workers, addresses, record, timeout)
         for info in workers:
-            try:
-                agent.call_sync(info, _member_joined, (me.name, me.id, record), {}, timeout)
-            except DistgradError as exc:  # it died without leaving: it is no member any more
-                _log.warning("%s did not answer the join of %s: %s", info.name, me.name, exc)
-                agent.remove_member(info.id, 0)
+            if info not in joined:
                 members.pop(info.id, None)
-                continue
-            joined.append(info)
         members[me.id] = me.name
         _write_members(store, members)
+    return joined
+
+
+def announce_join(
+    agent: RpcAgent,
+    workers: list[WorkerInfo],
+    addresses: dict[int, PeerAddress],
+    record: dict[str, Any],
+    timeout: float,
+) -> list[WorkerInfo]:
+    """Know the members (``workers`` at ``addresses``, this worker's own included) and tell
+    each that this worker joined; return those that answered (one that does not died without
+    leaving, and is no member any more)."""
+    me = agent.worker_info
+    agent.set_peers([me, *workers], addresses)
+    joined: list[WorkerInfo] = []
+    for info in workers:
+        try:
+            agent.call_sync(info, _member_joined, (me.name, me.id, record), {}, timeout)
+        except DistgradError as exc:
+            _log.warning("%s did not answer the join of %s: %s", info.name, me.name, exc)
+            agent.remove_member(info.id, 0)
+            continue
+        joined.append(info)
     return joined
 
 
@@ -153,7 +170,7 @@ def leave_group(agent: RpcAgent, store: Any, timeout: float) -> None:
             except DistgradError as exc:
                 _log.warning("%s was not told that %s leaves: %s", info.name, me.name, exc)
 
-    if me.id == 0:  # the leader: its store goes with it
+    if me.id == 0 or store is None:  # the leader (its store goes with it), or no store
         tell()
         return
     try:
