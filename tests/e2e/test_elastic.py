@@ -1,0 +1,62 @@
+"""Dynamic groups with real worker processes over real sockets (``elastic_worker.py``): members
+join a running group, one is killed and relaunched under its name (a new incarnation), one
+leaves; distributed autograd steps are exact at each size."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests._harness import SRC, free_port
+
+WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
+
+
+def run_leader(timeout: float = 120.0) -> dict[str, object]:
+    """Run the leader's scenario in its own session; kill the session (the leader and the
+    members it started) whatever happens."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("DISTGRAD_SECRET", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), "leader", str(free_port())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, err.decode()[-4000:]
+    return json.loads(out.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_join_restart_and_leave_with_real_processes() -> None:
+    """A relaunched worker serves new calls while its old incarnation's call in flight and RRef
+    fail naming it; a member that left is named as departed; autograd is exact throughout."""
+    seen = run_leader()
+    assert seen["w1"] == "w1" and seen["w1_again"] == "w1"
+    assert seen["rref_before"] == [1.0, 1.0]
+    assert str(seen["pending"]).startswith("PeerFailureError") and "w1" in str(seen["pending"])
+    assert "restarted" in str(seen["rref_after"]) and "w1" in str(seen["rref_after"])
+    assert "w2 (rank 2) has left the RPC group" in str(seen["after_leave"])
+    assert seen["step_2"] is True and seen["step_3"] is True
+    assert seen["step_after_leave"] is True
+    assert seen["events"] == [
+        "w1 (rank 1) joined",
+        "w1 (rank 1) restarted",
+        "w1 (rank 1) joined",
+        "w2 (rank 2) joined",
+        "w2 (rank 2) left",
+        "w1 (rank 1) left",
+    ]
+    assert seen["exit"] == [0, 0]  # the members that left exited cleanly
