@@ -185,11 +185,7 @@ def init_rpc(
         if world_size is None and not (
             options.init_method.startswith("env://") and os.environ.get("WORLD_SIZE")
         ):
-            if not isinstance(rank, numbers.Integral) or rank < 0:
-                raise ValueError(
-                    f"a dynamic RPC group (world_size=None) needs this worker's rank, got {rank}"
-                )
-            store = _dynamic.open_dynamic_store(options, int(rank), timeout)
+            store, rank = _dynamic.open_dynamic_store(options, int(rank), timeout)
             store = torch.distributed.PrefixStore("rpc_dynamic", store)  # type: ignore[attr-defined]
             for hook in init_hooks:
                 hook(int(rank))

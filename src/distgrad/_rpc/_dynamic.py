@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -42,8 +43,12 @@ _TOKEN = "distgrad/membership-token"
 _MEMBERS = "distgrad/members"
 
 
-def open_dynamic_store(options: TensorPipeRpcBackendOptions, rank: int, timeout: timedelta) -> Any:
-    """The leader's store (rank 0 hosts it), as torch's ``_create_store_from_options``."""
+def open_dynamic_store(
+    options: TensorPipeRpcBackendOptions, rank: int, timeout: timedelta
+) -> tuple[Any, int]:
+    """The leader's store (rank 0 hosts it), as torch's ``_create_store_from_options``, and
+    this worker's rank (from ``$RANK`` with ``env://`` and no rank given). Without a rank,
+    torch's errors ("rank parameter missing", "environment variable RANK expected")."""
     init_method = options.init_method
     if not (init_method.startswith("tcp://") or init_method.startswith("env://")):
         raise RuntimeError(
@@ -54,7 +59,10 @@ def open_dynamic_store(options: TensorPipeRpcBackendOptions, rank: int, timeout:
 
     store = _create_store_from_options(options, rank)  # type: ignore[no-untyped-call]
     store.set_timeout(timeout)
-    return store
+    if rank < 0:
+        rank = int(os.environ["RANK"])
+    _rendezvous.claim_group_kind(store, "dynamic")
+    return store, rank
 
 
 @contextlib.contextmanager

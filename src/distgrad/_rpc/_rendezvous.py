@@ -65,7 +65,21 @@ def open_store(
     iterator = rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout)
     store, rank, world_size = next(iterator)
     store.set_timeout(timeout)
+    claim_group_kind(store, "static")
     return store, rank, world_size, iterator
+
+
+_GROUP_KIND = "distgrad/group-kind"
+
+
+def claim_group_kind(store: Any, kind: str) -> None:
+    """Mark the store's group static or dynamic; raise torch's error for a worker of the other
+    kind."""
+    found = bytes(store.compare_set(_GROUP_KIND, "", kind)).decode()
+    if found != kind:
+        raise RuntimeError(
+            "RPC group mixes statically and dynamically initialized members which is not supported."
+        )
 
 
 @dataclass(frozen=True)
