@@ -55,11 +55,47 @@ def member(name: str, rank: int, port: int) -> None:
     rpc.shutdown()
 
 
-def spawn(name: str, rank: int, port: int) -> subprocess.Popen[bytes]:
+def spawn(name: str, rank: int, port: int, role: str = "member") -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, str(HERE), "member", name, str(rank), str(port)],
-        stdout=subprocess.DEVNULL,
+        [sys.executable, str(HERE), role, name, str(rank), str(port)],
+        stdout=None if role == "survivor" else subprocess.DEVNULL,
     )
+
+
+def survivor(name: str, rank: int, port: int) -> None:
+    """After the leader dies: calls and autograd between the members still work, and leaving
+    without the store returns."""
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    wait_for(lambda: "w2" in names(), "w2 to join")
+    seen: dict[str, Any] = {}
+
+    def leader_gone() -> bool:
+        try:
+            rpc.rpc_sync("w0", whoami, timeout=2)
+            return False
+        except Exception as exc:
+            seen["leader"] = f"{type(exc).__name__}: {exc}"
+            return True
+
+    wait_for(leader_gone, "the leader to die")
+    seen["w2"] = rpc.rpc_sync("w2", whoami)
+    seen["step"] = step(["w2"])
+    rpc.rpc_sync("w2", leave_now)
+    wait_for(lambda: "w2" not in names(), "w2 to leave")
+    started = time.monotonic()
+    rpc.shutdown()
+    seen["shutdown_s"] = round(time.monotonic() - started, 2)
+    print(json.dumps(seen), flush=True)
+
+
+def leader_dies(port: int) -> None:
+    """Rank 0 starts two members, then dies (os._exit: no goodbye, its store gone)."""
+    rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=options(port))
+    spawn("w1", 1, port, "survivor")
+    time.sleep(0.5)
+    spawn("w2", 2, port)
+    wait_for(lambda: len(names()) == 3, "the members to join")
+    os._exit(0)
 
 
 def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
@@ -151,5 +187,9 @@ def leader(port: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "member":
         member(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "survivor":
+        survivor(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "leader-dies":
+        leader_dies(int(sys.argv[2]))
     else:
         leader(int(sys.argv[2]))

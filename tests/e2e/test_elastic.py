@@ -16,13 +16,13 @@ from tests._harness import SRC, free_port
 WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
 
 
-def run_leader(timeout: float = 120.0) -> dict[str, object]:
+def run_leader(mode: str = "leader", timeout: float = 120.0) -> dict[str, object]:
     """Run the leader's scenario in its own session; kill the session (the leader and the
     members it started) whatever happens."""
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     env.pop("DISTGRAD_SECRET", None)
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER), "leader", str(free_port())],
+        [sys.executable, str(WORKER), mode, str(free_port())],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
@@ -60,3 +60,13 @@ def test_join_restart_and_leave_with_real_processes() -> None:
         "w1 (rank 1) left",
     ]
     assert seen["exit"] == [0, 0]  # the members that left exited cleanly
+
+
+def test_losing_the_leader_does_not_stop_the_members() -> None:
+    """Rank 0 (the store's host) dies: the members it let in still call each other, run an
+    exact autograd step, and leave without the store."""
+    seen = run_leader("leader-dies")
+    assert "w0 (rank 0)" in str(seen["leader"])
+    assert seen["w2"] == "w2"
+    assert seen["step"] is True
+    assert isinstance(seen["shutdown_s"], float)

@@ -82,7 +82,10 @@ def _membership_token(store: Any, name: str, timeout: float) -> Iterator[None]:
     try:
         yield
     finally:
-        store.compare_set(_TOKEN, name, "")
+        try:
+            store.compare_set(_TOKEN, name, "")
+        except Exception as exc:  # the store is gone (the leader died): nothing to release
+            _log.warning("could not release the group membership token: %s", exc)
 
 
 def _read_members(store: Any) -> dict[int, str]:
@@ -137,7 +140,10 @@ def join_group(
             if info not in joined:
                 members.pop(info.id, None)
         members[me.id] = me.name
-        _write_members(store, members)
+        try:
+            _write_members(store, members)
+        except Exception as exc:  # joined all the same: the members know this worker now
+            _log.warning("joined, but the group's store is gone (the leader died?): %s", exc)
     return joined
 
 
