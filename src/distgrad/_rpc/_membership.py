@@ -45,6 +45,9 @@ def add_membership_listener(listener: MembershipListener) -> None:
     """Call ``listener(event)`` for every later :class:`MembershipEvent` (a member joined, left,
     or was replaced by a new incarnation of itself), until it is removed or RPC shuts down.
 
+    Args:
+        listener: called with each event, on one of the agent's callback threads.
+
     Raises:
         RuntimeError: RPC is not initialized.
         TypeError: ``listener`` is not callable.
@@ -56,6 +59,9 @@ def add_membership_listener(listener: MembershipListener) -> None:
 
 def remove_membership_listener(listener: MembershipListener) -> None:
     """Stop calling ``listener`` (added by :func:`add_membership_listener`).
+
+    Args:
+        listener: the callable given to :func:`add_membership_listener`.
 
     Raises:
         RuntimeError: RPC is not initialized.
