@@ -118,7 +118,7 @@ def test_membership_listeners_are_told_of_joins_and_departures() -> None:
         deadline = time.monotonic() + 5
         while len(events) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert events == ["worker2 (rank 2) joined", "worker2 (rank 2) left"]
+        assert events == ["worker2 (rank 2) joined", "worker2 (rank 2) left"]
 
 
 def test_membership_api_rejects_bad_input() -> None:
@@ -204,3 +204,61 @@ def test_twenty_join_leave_cycles_keep_gradients_exact_and_tables_flat() -> None
         assert len(io_threads) == len(world.alive()) == 2
         pools = world.agents[0].options.num_worker_threads * 2
         assert threads_after <= 1 + len(world.alive()) * (1 + pools)
+
+
+def _train_remotely(rank: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """On a late joiner: a RemoteModule on worker0 trained by a DistributedOptimizer; the
+    same training locally. Returns (remote weight, local weight)."""
+    from distgrad.nn import RemoteModule
+    from distgrad.optim import DistributedOptimizer
+
+    torch.manual_seed(0)
+    module = RemoteModule("worker0/cpu", torch.nn.Linear, args=(3, 1))
+    local = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        weight, bias = (p.to_here() for p in module.remote_parameters())
+        local.weight.copy_(weight)
+        local.bias.copy_(bias)
+    optimizer = DistributedOptimizer(torch.optim.SGD, module.remote_parameters(), lr=0.1)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for _ in range(steps):
+        x = torch.randn(4, 3)
+        with dist_autograd.context() as context_id:
+            loss = module.forward(x).pow(2).sum()
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+        local_opt.zero_grad()
+        local(x).pow(2).sum().backward()
+        local_opt.step()
+    remote_weight = module.remote_parameters()[0].to_here()
+    return remote_weight, local.weight.detach().clone()
+
+
+def test_remote_module_and_optimizer_work_from_a_late_joiner() -> None:
+    """A member that joined late trains a RemoteModule on the leader with the distributed
+    optimizer, exactly as local training."""
+    with open_world(1, dynamic=True) as world:
+        world.join()
+        remote, local = world.run_on(1, _train_remotely, 1, 3)
+        torch.testing.assert_close(remote, local)
+
+
+def test_a_member_dying_during_a_pass_fails_that_pass_only() -> None:
+    """A member killed between forward and backward fails that backward pass, naming it; the
+    next pass over the members left is exact."""
+
+    def forward_then_kill(rank: int) -> str:
+        w = torch.randn(3, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            x = rpc.rpc_sync("worker1", torch.mul, args=(w, 2.0))
+            x = rpc.rpc_sync("worker2", torch.mul, args=(x, 3.0))
+            world.kill(2)
+            with pytest.raises(dist_autograd.BackwardError) as failure:
+                dist_autograd.backward(context_id, [x.sum()])
+        return str(failure.value)
+
+    with open_world(3, dynamic=True) as world:
+        message = world.run_on(0, forward_then_kill, 0)
+        assert "worker2" in message
+        grad, local = world.run_on(0, _step, 0, [1])
+        torch.testing.assert_close(grad, local)
