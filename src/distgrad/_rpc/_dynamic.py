@@ -182,7 +182,7 @@ def leave_group(agent: RpcAgent, store: Any, timeout: float) -> None:
             try:
                 agent.call_sync(info, _member_left, (me.id, agent.incarnation), {}, timeout)
             except DistgradError as exc:
-                _log.warning("%s was not told that %s leaves: %s", info.name, me.name, exc)
+                _log.info("%s was not told that %s leaves: %s", info.name, me.name, exc)
 
     if me.id == 0 or store is None:  # the leader (its store goes with it), or no store
         tell()
