@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import distgrad.rpc as rpc
 from tests._harness import SRC, free_port
 
 WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
@@ -70,3 +73,59 @@ def test_losing_the_leader_does_not_stop_the_members() -> None:
     assert seen["w2"] == "w2"
     assert seen["step"] is True
     assert isinstance(seen["shutdown_s"], float)
+
+
+def test_bad_dynamic_init_gives_torchs_errors() -> None:
+    """No rank, or an init method with no dynamic form, fails at once with a clear error
+    (torch's for the rank)."""
+    port = free_port()
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="rank parameter missing"):
+        rpc.init_rpc("w", world_size=None, rpc_backend_options=opts)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method="file:///tmp/distgrad-never-used")
+    with pytest.raises(RuntimeError, match=r"needs a tcp:// or env:// init_method"):
+        rpc.init_rpc("w", rank=0, world_size=None, rpc_backend_options=opts)
+    assert not rpc.api._is_current_rpc_agent_set()
+
+
+STATIC_LEADER = """
+import sys, time
+import distgrad.rpc as rpc
+opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+rpc.init_rpc("s0", rank=0, world_size=1, rpc_backend_options=opts)
+print("ready", flush=True)
+sys.stdin.readline()
+rpc.shutdown()
+"""
+
+
+def test_a_dynamic_member_cannot_join_a_static_group() -> None:
+    """A worker with world_size=None meeting a static group's store gets torch's error."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    leader = subprocess.Popen(
+        [sys.executable, "-c", STATIC_LEADER, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert leader.stdout is not None and leader.stdin is not None
+        assert leader.stdout.readline().strip() == "ready"
+        opts = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20
+        )
+        with pytest.raises(RuntimeError, match="mixes statically and dynamically"):
+            rpc.init_rpc("d1", rank=1, world_size=None, rpc_backend_options=opts)
+        assert not rpc.api._is_current_rpc_agent_set()
+        leader.stdin.write("\n")
+        leader.stdin.flush()
+        assert leader.wait(30) == 0
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        leader.wait()
