@@ -228,9 +228,10 @@ class RpcAgent:
             self._membership_event("restarted", info, known)
         self._membership_event("joined", info, address.incarnation)
 
-    def remove_member(self, rank: int, incarnation: int) -> None:
-        """The member of ``rank`` left the group (a graceful shutdown): later calls to it fail
-        at once naming it as departed; contexts it took part in are failed and cleaned."""
+    def remove_member(self, rank: int, incarnation: int, reason: str = "it shut down") -> None:
+        """The member of ``rank`` left the group (a graceful shutdown, or ``reason``): later
+        calls to it fail at once naming it as departed; contexts it took part in are failed
+        and cleaned."""
         info = self._by_rank.get(rank)
         if info is None or info == self.worker_info:
             return
@@ -240,7 +241,7 @@ class RpcAgent:
         self._by_name.pop(info.name, None)
         self.departed[info.name] = info
         error = PeerFailureError(
-            f"worker {info.name} (rank {rank}) has left the RPC group (it shut down)",
+            f"worker {info.name} (rank {rank}) has left the RPC group ({reason})",
             f"worker {info.name} (rank {rank})",
         )
         self.transport.remove_peer(rank, error)

@@ -165,7 +165,7 @@ def announce_join(
             agent.call_sync(info, _member_joined, (me.name, me.id, record), {}, timeout)
         except DistgradError as exc:
             _log.warning("%s did not answer the join of %s: %s", info.name, me.name, exc)
-            agent.remove_member(info.id, 0)
+            agent.remove_member(info.id, 0, f"it did not answer the join of {me.name}")
             continue
         joined.append(info)
     return joined
