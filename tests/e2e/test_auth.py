@@ -40,8 +40,8 @@ from tests._harness import run_workers
 
 pytestmark = pytest.mark.timeout(90)
 
-HELLO = struct.Struct("<4sHHI32s")
-CHALLENGE = struct.Struct("<4sHHI32s32s")
+HELLO = struct.Struct("<4sHHIQ32s")
+CHALLENGE = struct.Struct("<4sHHIQ32s32s")
 MAX_MESSAGE = 1024 * 1024
 
 
@@ -121,9 +121,10 @@ def wrong_proof(host: str, port: int, then: bytes = b"") -> socket.socket:
     """A valid HELLO, then a proof made with another secret (and ``then``, pipelined)."""
     sock = socket.create_connection((host, port), timeout=5)
     nonce_c = os.urandom(32)
-    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, nonce_c))
-    _m, _v, _f, rank_s, nonce_s, _mac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
-    message = b"distgrad-auth-v1|client|" + nonce_c + nonce_s + struct.pack("<II", 0, rank_s)
+    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 0, nonce_c))
+    _m, _v, _f, rank_s, inc_s, nonce_s, _mac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
+    ids = struct.pack("<IIQQ", 0, rank_s, 0, inc_s)
+    message = b"distgrad-auth-v2|client|" + nonce_c + nonce_s + ids
     sock.sendall(hmac.new(b"wrong secret", message, hashlib.sha256).digest() + then)
     return sock
 
@@ -159,7 +160,7 @@ def attack_program(rank: int, world_size: int, port: int, marks: str) -> dict[st
         wrong_proof(host, tcp_port, then=evil_frame(f"{marks}/after-wrong-proof"))
     )
     bad_rank = socket.create_connection((host, tcp_port))
-    bad_rank.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 99, os.urandom(32)))
+    bad_rank.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 99, 0, os.urandom(32)))
     dropped["rank outside the group"] = closed_by_peer(bad_rank)
     # after authenticating (as rank 0!): frames that break the protocol
     for name, header in (
@@ -495,7 +496,7 @@ def tls_program(rank: int, world_size: int, port: int, cert: str, key: str) -> s
         secret = os.environ["DISTGRAD_SECRET"].encode()
         # a plaintext client gets no handshake answer: the port speaks TLS only
         plain = socket.create_connection((host, tcp_port), timeout=5)
-        plain.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, os.urandom(32)))
+        plain.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 0, os.urandom(32)))
         try:
             answer = recv_exact(plain, CHALLENGE.size)
         except ConnectionResetError:

@@ -153,3 +153,15 @@ def test_train_script_alone_says_how_to_start_it() -> None:
     )
     assert done.returncode == 2
     assert "distgrad run -n 4 examples/train.py" in done.stderr
+
+
+def test_elastic_parameter_server() -> None:
+    """Trainers join a running dynamic group, one leaves, one is killed: the output says who
+    joined and left when, the first gradient check passes, and the validation loss falls."""
+    output = run_example(str(EXAMPLES / "elastic.py"), "--seconds", "6")
+    assert_gradient_check_passed(output)
+    for name in ("trainer1", "trainer2", "trainer3"):
+        assert re.search(rf"\[\s*[\d.]+s\] {name} \(rank \d\) joined", output), output
+    assert re.search(r"\[\s*[\d.]+s\] trainer2 \(rank 2\) left", output), output
+    assert "killing trainer3 (SIGKILL)" in output
+    assert re.search(r"validation loss [\d.]+( -> [\d.]+){4}: falling", output), output

@@ -25,8 +25,8 @@ from distgrad._transport._handshake import (
 )
 
 SECRET = b"the-cluster-secret"
-HELLO = struct.Struct("<4sHHI32s")
-CHALLENGE = struct.Struct("<4sHHI32s32s")
+HELLO = struct.Struct("<4sHHIQ32s")
+CHALLENGE = struct.Struct("<4sHHIQ32s32s")
 SERVER_RANK = 1
 WORLD_SIZE = 4
 
@@ -78,7 +78,8 @@ def handshake(
 def mac(
     label: bytes, nonce_c: bytes, nonce_s: bytes, rc: int, rs: int, key: bytes = SECRET
 ) -> bytes:
-    message = b"distgrad-auth-v1|" + label + b"|" + nonce_c + nonce_s + struct.pack("<II", rc, rs)
+    ids = struct.pack("<IIQQ", rc, rs, 0, 0)  # (incarnations: 0 on both sides here)
+    message = b"distgrad-auth-v2|" + label + b"|" + nonce_c + nonce_s + ids
     return hmac.new(key, message, hashlib.sha256).digest()
 
 
@@ -95,7 +96,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def test_same_secret_succeeds_and_returns_the_client_rank(loop: asyncio.AbstractEventLoop) -> None:
     """With the same secret both sides succeed and the server learns the client's rank."""
     client, server = handshake(loop, lambda s: client_handshake(s, SECRET, 2, SERVER_RANK))
-    assert client is None
+    assert client == 0  # the server's incarnation
     assert server == 2
 
 
@@ -103,7 +104,7 @@ def test_same_secret_succeeds_and_returns_the_client_rank(loop: asyncio.Abstract
 def test_every_rank_in_the_group_is_accepted(loop: asyncio.AbstractEventLoop, rank: int) -> None:
     """Ranks at both ends of the group are accepted."""
     client, server = handshake(loop, lambda s: client_handshake(s, SECRET, rank, SERVER_RANK))
-    assert client is None and server == rank
+    assert client == 0 and server == rank
 
 
 def test_wrong_secret_fails_on_both_sides(loop: asyncio.AbstractEventLoop) -> None:
@@ -120,7 +121,7 @@ def test_forged_proof_is_rejected(loop: asyncio.AbstractEventLoop) -> None:
     """A client that ignores the challenge and sends a made-up proof gets no ACCEPT."""
 
     def forger(sock: socket.socket) -> bytes:
-        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 2, os.urandom(32)))
+        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 2, 0, os.urandom(32)))
         assert len(recv_exact(sock, CHALLENGE.size)) == CHALLENGE.size
         sock.sendall(os.urandom(32))
         return recv_exact(sock, 1)
@@ -136,8 +137,8 @@ def test_proof_made_with_the_wrong_secret_is_rejected(loop: asyncio.AbstractEven
 
     def wrong_key(sock: socket.socket) -> bytes:
         nonce_c = os.urandom(32)
-        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 2, nonce_c))
-        _m, _v, _f, rank_s, nonce_s, _mac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
+        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 2, 0, nonce_c))
+        _m, _v, _f, rank_s, _inc, nonce_s, _mac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
         sock.sendall(mac(b"client", nonce_c, nonce_s, 2, rank_s, key=b"guess"))
         return recv_exact(sock, 1)
 
@@ -150,7 +151,7 @@ def test_server_mac_replayed_as_client_proof_is_rejected(loop: asyncio.AbstractE
     """The server's own MAC sent back as the client's proof does not authenticate (labels)."""
 
     def replay(sock: socket.socket) -> bytes:
-        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 2, os.urandom(32)))
+        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 2, 0, os.urandom(32)))
         *_rest, server_mac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
         sock.sendall(server_mac)
         return recv_exact(sock, 1)
@@ -165,8 +166,8 @@ def test_correct_manual_proof_is_accepted(loop: asyncio.AbstractEventLoop) -> No
 
     def manual(sock: socket.socket) -> bytes:
         nonce_c = os.urandom(32)
-        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 3, nonce_c))
-        magic, version, _f, rank_s, nonce_s, mac_s = CHALLENGE.unpack(
+        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 3, 0, nonce_c))
+        magic, version, _f, rank_s, _inc, nonce_s, mac_s = CHALLENGE.unpack(
             recv_exact(sock, CHALLENGE.size)
         )
         assert (magic, version, rank_s) == (MAGIC, PROTOCOL_VERSION, SERVER_RANK)
@@ -183,7 +184,7 @@ def test_correct_manual_proof_is_accepted(loop: asyncio.AbstractEventLoop) -> No
     "hello",
     [
         b"GET / HTTP/1.1\r\nHost: example\r\n\r\n" + b"x" * 20,
-        HELLO.pack(b"DGRX", PROTOCOL_VERSION, 0, 0, bytes(32)),
+        HELLO.pack(b"DGRX", PROTOCOL_VERSION, 0, 0, 0, bytes(32)),
         bytes(HELLO.size),
     ],
     ids=["http", "near-magic", "zeros"],
@@ -205,7 +206,7 @@ def test_other_protocol_version_fails(loop: asyncio.AbstractEventLoop) -> None:
     """A peer speaking another protocol version is refused with a clear message."""
 
     def future_client(sock: socket.socket) -> bytes:
-        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION + 1, 0, 0, bytes(32)))
+        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION + 1, 0, 0, 0, bytes(32)))
         return recv_exact(sock, 1)
 
     client, server = handshake(loop, future_client)

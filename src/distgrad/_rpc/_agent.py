@@ -38,13 +38,15 @@ message's tensor table, together with an ``ext`` object that belongs to the laye
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _config
-from .._errors import RpcShutdownError
+from .._errors import PeerFailureError, RpcShutdownError
 from .._omp import join_openmp_runtime
 from .._transport._base import (
     Link,
@@ -59,6 +61,7 @@ from .._wire._frames import Frame, Kind
 from ._call_table import CallTable
 from ._codec import Codec
 from ._current import bind_thread, current_agent, set_current_agent, thread_binding
+from ._events import MembershipEvent, MembershipKind
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
 from ._pool import ThreadPool
@@ -66,6 +69,8 @@ from ._rref_context import RRefContext
 from ._serving import Serving
 from ._statistics import AgentState, AgentStatistics, StatisticsRecorder
 from ._worker_info import WorkerInfo
+
+_log = logging.getLogger("distgrad.rpc")
 
 __all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
 
@@ -87,10 +92,20 @@ class RpcAgent(Outgoing, Serving):
         *,
         transport: TransportFactory,
         isolated: bool = False,
+        dynamic: bool = False,
     ) -> None:
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
+        #: members join and leave (``init_rpc(world_size=None)``)
+        self.dynamic = dynamic
+        #: the random id of this start of the agent (presented in every handshake)
+        self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
+        self._incarnation_of: dict[int, int] = {rank: self.incarnation}
+        #: members that left the group (by name), for errors that name them as departed
+        self.departed: dict[str, WorkerInfo] = {}
+        #: called (on a callback thread) with every :class:`MembershipEvent`
+        self.membership_listeners: list[Callable[[MembershipEvent], None]] = []
         self.options = options
         self.rpc_timeout = options.rpc_timeout
         self.isolated = isolated
@@ -143,6 +158,8 @@ class RpcAgent(Outgoing, Serving):
             server_ssl=opts.server_ssl_context,
             client_ssl=opts.client_ssl_context,
             fail_stop=opts.fail_stop or _config.env_flag(_config.ENV_FAIL_STOP, False),
+            incarnation=self.incarnation,
+            dynamic=self.dynamic,
         )
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
@@ -156,10 +173,65 @@ class RpcAgent(Outgoing, Serving):
         for info in workers:
             self._by_name[info.name] = info
             self._by_rank[info.id] = info
+        for rank, address in addresses.items():
+            if address.incarnation:
+                self._incarnation_of[rank] = address.incarnation
         assert self._transport is not None
         self._transport.set_peers(addresses)
         self._codec.set_peer_limits(addresses)
         self.state = AgentState.RUNNING
+
+    # -- membership (dynamic groups) -------------------------------------------------------------
+    def incarnation_of(self, rank: int) -> int:
+        """The incarnation known for the member of ``rank`` (0: none known)."""
+        return self._incarnation_of.get(rank, 0)
+
+    def add_member(self, info: WorkerInfo, address: PeerAddress) -> None:
+        """A member joined (or rejoined under its name: a new incarnation)."""
+        old = self._by_rank.get(info.id)
+        known = self._incarnation_of.get(info.id, 0)
+        if old is not None and old.name != info.name:
+            self._by_name.pop(old.name, None)
+        self._by_name[info.name] = info
+        self._by_rank[info.id] = info
+        self.departed.pop(info.name, None)
+        self._incarnation_of[info.id] = address.incarnation
+        self._codec.set_peer_limit(info.id, address.max_message_size)
+        self.transport.add_peer(info.id, address)
+        if old is not None and known and known != address.incarnation:
+            self._membership_event("restarted", info, known)
+        self._membership_event("joined", info, address.incarnation)
+
+    def remove_member(self, rank: int, incarnation: int, reason: str = "it shut down") -> None:
+        """The member of ``rank`` left the group (a graceful shutdown, or ``reason``): later
+        calls to it fail at once naming it as departed; contexts it took part in are failed
+        and cleaned."""
+        info = self._by_rank.get(rank)
+        if info is None or info == self.worker_info:
+            return
+        if incarnation and self._incarnation_of.get(rank, incarnation) != incarnation:
+            return  # a replaced incarnation says goodbye: the member itself stays
+        del self._by_rank[rank]
+        self._by_name.pop(info.name, None)
+        self.departed[info.name] = info
+        error = PeerFailureError(
+            f"worker {info.name} (rank {rank}) has left the RPC group ({reason})",
+            f"worker {info.name} (rank {rank})",
+        )
+        self.transport.remove_peer(rank, error)
+        for listener in list(self.peer_failure_listeners):
+            self._callbacks.submit(listener, rank, error)
+        self._membership_event("left", info, incarnation)
+
+    def _membership_event(self, kind: MembershipKind, info: WorkerInfo, incarnation: int) -> None:
+        event = MembershipEvent(kind, info, incarnation, time.time())
+        _log.info("membership: %s", event)
+        for listener in list(self.membership_listeners):
+            self._callbacks.submit(listener, event)
+
+    def members(self) -> list[WorkerInfo]:
+        """The current members (this worker included), by rank."""
+        return self.get_worker_infos()
 
     def _label(self, rank: int) -> str:
         info = self._by_rank.get(rank)
@@ -172,9 +244,11 @@ class RpcAgent(Outgoing, Serving):
         if isinstance(to, str):
             info = self._by_name.get(to)
             if info is None:
+                gone = self.departed.get(to)
                 raise RuntimeError(
                     f"name:{self.worker_info.name},rank:{self.worker_info.id} "
                     f"could not find destination name {to}"
+                    + (f" (worker {to} (rank {gone.id}) has left the RPC group)" if gone else "")
                 )
             return info
         info = self._by_rank.get(to)

@@ -22,7 +22,7 @@ from .._errors import RpcTimeoutError
 from .._transport._base import TransportFactory
 from .._transport._faulty import FaultyTransport
 from .._transport._transport import SocketTransport
-from . import _collectives, _rendezvous
+from . import _collectives, _dynamic, _rendezvous
 from ._agent import RpcAgent, current_agent, set_current_agent
 from ._calls import is_builtin
 from ._options import (
@@ -182,6 +182,15 @@ def init_rpc(
         if current_agent() is not None:
             raise RuntimeError("RPC is already initialized")
         timeout = _rendezvous.store_timeout(options.rpc_timeout)
+        if world_size is None and not (
+            options.init_method.startswith("env://") and os.environ.get("WORLD_SIZE")
+        ):
+            store, rank = _dynamic.open_dynamic_store(options, int(rank), timeout)
+            store = torch.distributed.PrefixStore("rpc_dynamic", store)  # type: ignore[attr-defined]
+            for hook in init_hooks:
+                hook(int(rank))
+            _start_dynamic_agent(store, name, int(rank), options, transport)
+            return
         store, rank, world_size, iterator = _rendezvous.open_store(
             options.init_method, rank, world_size, timeout
         )
@@ -302,6 +311,32 @@ def _start_agent(
         raise
 
 
+def _start_dynamic_agent(
+    store: Any,
+    name: str,
+    rank: int,
+    options: TensorPipeRpcBackendOptions,
+    transport: TransportFactory,
+) -> None:
+    """Start the agent of a dynamic group and join the group (the caller holds
+    ``_init_lock``)."""
+    agent = RpcAgent(name, rank, 0, options, transport=transport, dynamic=True)
+    agent.keepalive.append(store)
+    try:
+        secret = _rendezvous.agree_secret(store, rank, options)
+        address = agent.start_transport(
+            secret.key, _rendezvous.listen_host(options.init_method, options)
+        )
+        set_current_agent(agent)
+        _dynamic.join_group(agent, store, address, secret.explicit, options.rpc_timeout)
+        _register_exit_hook()
+    except BaseException:
+        set_current_agent(None)
+        agent.stop(graceful=False)
+        _failed_stores.append(store)
+        raise
+
+
 _exit_hook_registered = False
 
 
@@ -363,6 +398,9 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
         rpc.shutdown()  # serves worker0 meanwhile
     """
     agent = _agent()
+    if agent.dynamic:
+        _leave(agent, graceful, timeout)
+        return
     try:
         if graceful:
             deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -386,6 +424,27 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                 counts = _collectives.all_gather(agent.active_calls(), timeout=remaining())
                 if sum(counts.values()) == 0:
                     break
+    finally:
+        set_current_agent(None)
+        agent.stop(graceful=graceful)
+    _check_rref_leaks(agent)
+
+
+def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
+    """``shutdown()`` of a member of a dynamic group: it leaves; the others go on. Graceful:
+    its own calls finish, its RRef users are deleted, every member is told it leaves."""
+    try:
+        if graceful:
+            deadline = time.monotonic() + timeout if timeout > 0 else None
+            agent.wait_until_idle(deadline)
+            for hook in list(agent.shutdown_hooks):
+                hook()
+            agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
+            budget = (
+                max(deadline - time.monotonic(), 0.1) if deadline is not None else agent.rpc_timeout
+            )
+            store = agent.keepalive[0] if agent.keepalive else None
+            _dynamic.leave_group(agent, store, budget)
     finally:
         set_current_agent(None)
         agent.stop(graceful=graceful)

@@ -62,6 +62,13 @@ class Codec:
             if 0 < address.max_message_size < self.max_message_size
         }
 
+    def set_peer_limit(self, rank: int, max_message_size: int) -> None:
+        """Remember what one (new) peer accepts."""
+        if 0 < max_message_size < self.max_message_size:
+            self._peer_limits[rank] = max_message_size
+        else:
+            self._peer_limits.pop(rank, None)
+
     def device_check(self, direction: str, rank: int) -> DeviceCheck:
         """What the pickler calls for a tensor that is not on the CPU: distgrad moves only CPU
         tensors (device maps are accepted, not applied yet), so it raises the reference's error

@@ -58,14 +58,28 @@ def open_store(
             world_size = -1
         else:
             raise RuntimeError(
-                "distgrad needs a static RPC group: pass world_size to init_rpc (or set "
-                "WORLD_SIZE with init_method='env://'); dynamic groups are not supported yet"
+                "a dynamic RPC group (world_size=None) is opened by init_rpc with a tcp:// or "
+                "env:// init_method"
             )
     rendezvous = dist.rendezvous  # type: ignore[attr-defined]
     iterator = rendezvous(init_method, rank=rank, world_size=world_size, timeout=timeout)
     store, rank, world_size = next(iterator)
     store.set_timeout(timeout)
+    claim_group_kind(store, "static")
     return store, rank, world_size, iterator
+
+
+_GROUP_KIND = "distgrad/group-kind"
+
+
+def claim_group_kind(store: Any, kind: str) -> None:
+    """Mark the store's group static or dynamic; raise torch's error for a worker of the other
+    kind."""
+    found = bytes(store.compare_set(_GROUP_KIND, "", kind)).decode()
+    if found != kind:
+        raise RuntimeError(
+            "RPC group mixes statically and dynamically initialized members which is not supported."
+        )
 
 
 @dataclass(frozen=True)
@@ -140,16 +154,7 @@ def exchange_addresses(
     on every rank or on none; return everyone."""
     if int(store.add(f"distgrad/rank/{info.id}", 1)) > 1:
         raise RuntimeError(f"RPC rank {info.id} is used by more than one worker")
-    record = {
-        "name": info.name,
-        "host": address.host,
-        "port": address.port,
-        "unix": address.unix.encode("latin-1").hex() if address.unix else None,
-        "host_id": address.host_id,
-        "max_message_size": address.max_message_size,
-        "explicit_secret": explicit_secret,
-        "tls": address.tls,
-    }
+    record = address_record(info, address, explicit_secret)
     store.set(f"distgrad/worker/{info.id}", json.dumps(record))
     keys = [f"distgrad/worker/{rank}" for rank in range(world_size)]
     try:
@@ -180,16 +185,37 @@ def exchange_addresses(
             )
         seen[name] = rank
         workers.append(WorkerInfo(name, rank))
-        unix = bytes.fromhex(rec["unix"]).decode("latin-1") if rec["unix"] else None
-        addresses[rank] = PeerAddress(
-            str(rec["host"]),
-            int(rec["port"]),
-            unix,
-            str(rec["host_id"]),
-            int(rec.get("max_message_size") or 0),
-            bool(rec.get("tls")),
-        )
+        addresses[rank] = address_from_record(rec)
     return workers, addresses
+
+
+def address_record(info: WorkerInfo, address: PeerAddress, explicit_secret: bool) -> dict[str, Any]:
+    """What a worker publishes about itself (plain JSON)."""
+    return {
+        "name": info.name,
+        "host": address.host,
+        "port": address.port,
+        "unix": address.unix.encode("latin-1").hex() if address.unix else None,
+        "host_id": address.host_id,
+        "max_message_size": address.max_message_size,
+        "explicit_secret": explicit_secret,
+        "tls": address.tls,
+        "incarnation": address.incarnation,
+    }
+
+
+def address_from_record(rec: dict[str, Any]) -> PeerAddress:
+    """The address in a record made by :func:`address_record`."""
+    unix = bytes.fromhex(rec["unix"]).decode("latin-1") if rec["unix"] else None
+    return PeerAddress(
+        str(rec["host"]),
+        int(rec["port"]),
+        unix,
+        str(rec["host_id"]),
+        int(rec.get("max_message_size") or 0),
+        bool(rec.get("tls")),
+        int(rec.get("incarnation") or 0),
+    )
 
 
 def barrier(store: Any, key: str, world_size: int, *, hosts_store: bool = False) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from .._errors import InjectedFailureError, RpcTimeoutError
+from .._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
 from .._wire._pickler import register_reducer
 from ._agent import RpcAgent, current_agent
 from ._calls import fresh_copy
@@ -117,6 +117,7 @@ class RRef(Generic[T]):
         "_error",
         "_fork_id",
         "_owner",
+        "_owner_incarnation",
         "_profiling_future",
         "_rref_id",
         "_script",
@@ -149,6 +150,8 @@ class RRef(Generic[T]):
         self._rref_id = rref_id
         self._fork_id = fork_id
         self._owner = owner
+        #: the owner's incarnation when this reference was made (0: not known)
+        self._owner_incarnation = ctx.agent.incarnation_of(owner.id)
         self._value = None
         self._confirmed = False
         self._script = False  # created by a builtin or TorchScript function (torch's non-PyObj)
@@ -186,6 +189,9 @@ class RRef(Generic[T]):
             fork_id = self._fork_id
             if fork_id is None or self._deleted or self._ctx.destroyed:
                 return
+            known = self._owner_incarnation
+            if known and self._ctx.agent.incarnation_of(self._owner.id) != known:
+                return  # its owner restarted: the new incarnation never knew this fork
             if self._confirmed or self._timed_out:
                 self._ctx.user_dropped(self._owner.id, self._rref_id, fork_id)
         except Exception:  # interpreter shutdown, half-built object
@@ -205,6 +211,14 @@ class RRef(Generic[T]):
             settled.set()
 
     def _check_usable(self) -> None:
+        known = self._owner_incarnation
+        if known and self._ctx.agent.incarnation_of(self._owner.id) != known:
+            owner = self._owner
+            raise PeerFailureError(
+                f"the owner of {self}, worker {owner.name} (rank {owner.id}), restarted: the "
+                f"value lived in its incarnation {known:016x}, which is gone",
+                f"worker {owner.name} (rank {owner.id})",
+            )
         if self._timed_out:
             raise RuntimeError(RREF_TIMED_OUT)
         if self._error is not None:  # a copy: the stored one must not collect our frames

@@ -32,7 +32,9 @@ from .._transport._faulty import Fault, FaultPlan, FaultyTransport
 from .._transport._inmemory import MemoryNetwork
 from . import _api
 from ._agent import RpcAgent, bind_thread, current_agent
+from ._dynamic import announce_join
 from ._options import TensorPipeRpcBackendOptions
+from ._rendezvous import address_record
 from ._worker_info import WorkerInfo
 
 __all__ = ["World", "WorldTimeout", "open_world", "worker_thread", "world_options"]
@@ -78,6 +80,7 @@ class World:
         #: the fault plan of every worker's transport (``open_world(..., faults=...)``)
         self.faults = faults
         self._killed: set[int] = set()
+        self._left: set[int] = set()
 
     def __repr__(self) -> str:
         return f"<World of {len(self.agents)} workers, killed={sorted(self._killed)}>"
@@ -142,7 +145,49 @@ class World:
         self.agents[rank].stop(graceful=False)
 
     def alive(self) -> list[int]:
-        return [rank for rank in range(self.size) if rank not in self._killed]
+        return [rank for rank in range(self.size) if rank not in self._killed | self._left]
+
+    # -- dynamic worlds (open_world(..., dynamic=True)) -----------------------------------------
+    def join(self, rank: int | None = None, name: str | None = None) -> int:
+        """Start a new agent and join it to the (dynamic) world, as ``init_rpc(name, rank,
+        world_size=None)`` does; return its rank. A rank given that was killed or left
+        restarts that member under its name: a new incarnation."""
+        rank = self.size if rank is None else rank
+        if rank < self.size and rank in self.alive():
+            raise ValueError(f"rank {rank} is a running member of the world")
+        name = name if name is not None else f"worker{rank}"
+        factory: TransportFactory = self.network.factory
+        if self.faults is not None:
+            factory = FaultyTransport.factory(factory, self.faults)
+        options = self.agents[0].options
+        agent = RpcAgent(name, rank, 0, options, transport=factory, isolated=True, dynamic=True)
+        previous = bind_thread(agent)
+        try:
+            for hook in _api.init_hooks:
+                hook(rank)
+            address = agent.start_transport(_SECRET, "memory")
+        finally:
+            bind_thread(previous)
+        if rank < self.size:
+            self.agents[rank] = agent
+        else:
+            self.agents.append(agent)
+        self._killed.discard(rank)
+        self._left.discard(rank)
+        members = [self.agents[r] for r in self.alive() if r != rank]
+        workers = [m.worker_info for m in members]
+        addresses = {m.worker_info.id: m.address for m in members if m.address is not None}
+        addresses[rank] = address
+        record = address_record(agent.worker_info, address, False)
+        self.run_on(
+            rank, lambda: announce_join(agent, workers, addresses, record, options.rpc_timeout)
+        )
+        return rank
+
+    def leave(self, rank: int) -> None:
+        """Worker ``rank`` leaves gracefully (``rpc.shutdown()`` of a dynamic member)."""
+        self.run_on(rank, _api.shutdown)
+        self._left.add(rank)
 
     def close(self, *, graceful: bool = True) -> None:
         """Shut every worker down (``rpc.shutdown`` on each, at once); if that fails or does not
@@ -195,12 +240,15 @@ def open_world(
     options: TensorPipeRpcBackendOptions | None = None,
     faults: FaultPlan | Iterable[Fault] | None = None,
     timeout: float = 30.0,
+    dynamic: bool = False,
 ) -> Iterator[World]:
     """Start ``world_size`` agents named ``worker0`` ... in this process; shut them down on exit.
 
     ``options`` defaults to :func:`world_options`. With ``faults`` (rules, or a plan), every
     worker's transport injects them (``World.faults`` is the plan; an empty list gives a plan
-    to add rules to later). ``timeout`` bounds each :meth:`World.run` and the shutdown."""
+    to add rules to later). ``timeout`` bounds each :meth:`World.run` and the shutdown. With
+    ``dynamic``, the agents are those of a dynamic group: :meth:`World.join` adds (or restarts)
+    members, :meth:`World.leave` removes them (``rpc.shutdown()``)."""
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     options = options if options is not None else world_options()
@@ -216,7 +264,13 @@ def open_world(
             if plan is not None:
                 factory = FaultyTransport.factory(factory, plan)
             agent = RpcAgent(
-                f"worker{rank}", rank, world_size, options, transport=factory, isolated=True
+                f"worker{rank}",
+                rank,
+                0 if dynamic else world_size,
+                options,
+                transport=factory,
+                isolated=True,
+                dynamic=dynamic,
             )
             agents.append(agent)
             previous = bind_thread(agent)

@@ -67,6 +67,9 @@ class PeerAddress:
     max_message_size: int = 0
     #: whether its TCP connections use TLS
     tls: bool = False
+    #: the random id of this start of the worker (0: not known); a worker relaunched under
+    #: the same rank has another, and peers take the old one for dead
+    incarnation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,10 @@ class TransportConfig:
     client_ssl: ssl.SSLContext | None = None
     #: any lost connection proves the peer dead (no suspicion, no reconnection)
     fail_stop: bool = False
+    #: this start's random id, presented in every handshake (0: none)
+    incarnation: int = 0
+    #: members join and leave (a dynamic group): peers of any rank may connect
+    dynamic: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +192,16 @@ class Transport(Protocol):
 
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         """Everyone's address, after the rendezvous."""
+        ...
+
+    def add_peer(self, rank: int, address: PeerAddress) -> None:
+        """A member joined (or rejoined): its address. An address with another incarnation
+        than the one known for ``rank`` proves the old incarnation dead: its links close
+        with an error naming it, and the new one is reachable (no longer dead or suspected)."""
+        ...
+
+    def remove_peer(self, rank: int, error: Exception) -> None:
+        """A member left the group: every later send to it fails at once with ``error``."""
         ...
 
     def connection(self, rank: int) -> Link:

@@ -81,6 +81,8 @@ class Connection:
     ) -> None:
         self.peer = peer
         self.peer_label = peer_label
+        #: the incarnation the peer presented in the handshake (0: unknown)
+        self.incarnation = 0
         self._owner = owner
         self._io = io
         self._sock = sock

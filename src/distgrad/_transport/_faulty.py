@@ -414,6 +414,12 @@ class FaultyTransport:
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         self.inner.set_peers(peers)
 
+    def add_peer(self, rank: int, address: PeerAddress) -> None:
+        self.inner.add_peer(rank, address)
+
+    def remove_peer(self, rank: int, error: Exception) -> None:
+        self.inner.remove_peer(rank, error)
+
     def connection(self, rank: int) -> FaultyLink:
         return self.wrap(self.inner.connection(rank))
 

@@ -87,6 +87,8 @@ class MemoryLink:
     def __init__(self, transport: MemoryTransport, peer: int, peer_label: str) -> None:
         self.peer = peer
         self.peer_label = peer_label
+        #: the incarnation of the peer's agent this link was opened with (0: unknown)
+        self.incarnation = 0
         self._transport = transport
         self.other: MemoryLink | None = None
         self._lock = threading.Lock()
@@ -184,6 +186,8 @@ class MemoryLink:
             self.close(exc)
             return
         handler = self._transport.handler
+        if not self._transport.is_current(self):
+            return  # frames of a replaced incarnation are never delivered
         for frame in frames:
             if frame.kind == Kind.HEARTBEAT:
                 continue
@@ -276,6 +280,8 @@ class MemoryTransport:
         self._lock = threading.Lock()  # the tables; never held while taking another's
         self._connect_locks: dict[int, threading.Lock] = {}
         self._dead: dict[int, PeerFailureError] = {}
+        self._incarnations: dict[int, int] = {}
+        self._retired: set[tuple[int, int]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
         self._closing = False
         self._accepted = self._opened = self._protocol_errors = 0
@@ -294,7 +300,12 @@ class MemoryTransport:
         self._port = self.network._register(self)
         self.io.call_soon(self._start_heartbeats)
         return PeerAddress(
-            "memory", self._port, None, self.network.id, self.config.max_message_size
+            "memory",
+            self._port,
+            None,
+            self.network.id,
+            self.config.max_message_size,
+            incarnation=self.config.incarnation,
         )
 
     def _start_heartbeats(self) -> None:
@@ -303,6 +314,54 @@ class MemoryTransport:
 
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         self._peers = dict(peers)
+        for rank, address in peers.items():
+            if address.incarnation:
+                self._incarnations.setdefault(rank, address.incarnation)
+
+    def add_peer(self, rank: int, address: PeerAddress) -> None:
+        with self._lock:
+            self._peers[rank] = address
+        if address.incarnation:
+            self.note_incarnation(rank, address.incarnation)
+
+    def remove_peer(self, rank: int, error: Exception) -> None:
+        # (its links stay: the member closes them itself once it has told every member)
+        if not isinstance(error, PeerFailureError):
+            error = PeerFailureError(str(error), self._label(rank))
+        with self._lock:
+            self._dead[rank] = error
+
+    def note_incarnation(self, rank: int, incarnation: int) -> bool:
+        """As ``SocketTransport.note_incarnation``: False for a replaced incarnation."""
+        if not incarnation:
+            return True
+        with self._lock:
+            if (rank, incarnation) in self._retired:
+                return False
+            known = self._incarnations.get(rank)
+            self._incarnations[rank] = incarnation
+            if known is None or known == incarnation:
+                return True
+            self._retired.add((rank, known))
+            self._dead.pop(rank, None)
+            stale = [k for k in self._links if k.peer == rank and k.incarnation == known]
+        label = self._label(rank)
+        failure = PeerFailureError(
+            f"{label} restarted: its incarnation {known:016x} was replaced by {incarnation:016x}; "
+            "what depended on the old one (calls in flight, RRefs it owned, contexts it took "
+            "part in) is lost",
+            label,
+        )
+        for link in stale:
+            link.close(failure)
+        return True
+
+    def is_current(self, link: MemoryLink) -> bool:
+        """Whether ``link`` belongs to the incarnation known now for its peer."""
+        return not link.incarnation or self._incarnations.get(link.peer) in (
+            None,
+            link.incarnation,
+        )
 
     # -- outgoing ----------------------------------------------------------------------------------
     def connection(self, rank: int) -> MemoryLink:
@@ -332,20 +391,33 @@ class MemoryTransport:
             raise PeerFailureError(f"no address known for {label}", label)
         peer = self.network._lookup(address.port) if address.host_id == self.network.id else None
         mine = MemoryLink(self, rank, label)
-        theirs = peer._accept(mine, self.config.rank) if peer is not None else None
+        theirs = (
+            peer._accept(mine, self.config.rank, self.config.incarnation)
+            if peer is not None
+            else None
+        )
         if theirs is None:  # nobody listens there any more: a refused connection
             error = PeerFailureError(f"could not connect to {label}: connection refused", label)
             self._dead.setdefault(rank, error)
             raise error
+        assert peer is not None
+        mine.incarnation = peer.config.incarnation
+        if not self.note_incarnation(rank, mine.incarnation):
+            theirs.close(None)
+            raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
         mine.other = theirs
         return mine
 
-    def _accept(self, dialing: MemoryLink, rank: int) -> MemoryLink | None:
-        """The far end of a link another transport opens to this one (None if closing)."""
+    def _accept(self, dialing: MemoryLink, rank: int, incarnation: int) -> MemoryLink | None:
+        """The far end of a link another transport opens to this one (None if closing, or
+        if the dialer is an incarnation that was replaced)."""
+        if not self.note_incarnation(rank, incarnation):
+            return None
         with self._lock:
             if self._closing:
                 return None
             link = MemoryLink(self, rank, self._label(rank))
+            link.incarnation = incarnation
             link.other = dialing
             self._links.add(link)
             self._accepted += 1
@@ -371,6 +443,9 @@ class MemoryTransport:
         if self._closing:
             return
         failure = link.broken_error()
+        if not self.is_current(link):  # the peer restarted: its new incarnation is not judged
+            self.handler.on_connection_lost(link, failure, peer_dead=True)
+            return
         if not broken_protocol:
             self._dead.setdefault(link.peer, failure)
         self.handler.on_connection_lost(link, failure, peer_dead=not broken_protocol)

@@ -57,7 +57,7 @@ from ._connection import Connection, Piece
 from ._handshake import (
     PeerClosedHandshake,
     client_handshake,
-    server_handshake,
+    server_accept,
     tls_server_handshake,
     wait_readable,
 )
@@ -189,6 +189,9 @@ class SocketTransport:
         self._connect_locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._dead: dict[int, PeerFailureError] = {}
+        #: the incarnation known for each rank, and those it replaced (never accepted again)
+        self._incarnations: dict[int, int] = {}
+        self._retired: set[tuple[int, int]] = set()
         #: peers whose connection was lost without proof of death (rank -> the error)
         self._suspected: dict[int, PeerFailureError] = {}
         #: a failed reconnect to a suspected peer: (until when calls fail at once, the error)
@@ -231,6 +234,7 @@ class SocketTransport:
             self.host_id,
             self.config.max_message_size,
             tls=self.config.server_ssl is not None,
+            incarnation=self.config.incarnation,
         )
 
     async def _start_listening(self) -> None:
@@ -242,6 +246,56 @@ class SocketTransport:
 
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         self._peers = dict(peers)
+        for rank, address in peers.items():
+            if address.incarnation:
+                self._incarnations.setdefault(rank, address.incarnation)
+
+    def add_peer(self, rank: int, address: PeerAddress) -> None:
+        self._peers[rank] = address
+        if address.incarnation:
+            self.note_incarnation(rank, address.incarnation)
+
+    def remove_peer(self, rank: int, error: Exception) -> None:
+        # (its links stay: the member closes them itself, with a goodbye, once it has told
+        # every member -- the request that tells this one is answered on one of them)
+        label = self._label(rank)
+        if not isinstance(error, PeerFailureError):
+            error = PeerFailureError(str(error), label)
+        self._dead[rank] = error
+        self._suspected.pop(rank, None)
+        self._unreachable.pop(rank, None)
+
+    def note_incarnation(self, rank: int, incarnation: int) -> bool:
+        """Record the incarnation a peer of ``rank`` presented; False for one it replaced
+        (a connection of it must be dropped). Another one than the one known is a new
+        incarnation: the old one is dead (its connections close, naming it), the new one is
+        reachable."""
+        if not incarnation:
+            return True
+        if (rank, incarnation) in self._retired:
+            return False
+        known = self._incarnations.get(rank)
+        self._incarnations[rank] = incarnation
+        if known is None or known == incarnation:
+            return True
+        self._retired.add((rank, known))
+        label = self._label(rank)
+        failure = PeerFailureError(
+            f"{label} restarted: its incarnation {known:016x} was replaced by {incarnation:016x}; "
+            "what depended on the old one (calls in flight, RRefs it owned, contexts it took "
+            "part in) is lost",
+            label,
+        )
+        self._dead.pop(rank, None)
+        self._suspected.pop(rank, None)
+        self._unreachable.pop(rank, None)
+        for conn in [c for c in self._conns if c.peer == rank and c.incarnation == known]:
+            conn.close(failure)
+        return True
+
+    def is_current(self, conn: Connection) -> bool:
+        """Whether ``conn`` belongs to the incarnation known now for its peer."""
+        return not conn.incarnation or self._incarnations.get(conn.peer) in (None, conn.incarnation)
 
     # -- outgoing --------------------------------------------------------------------------------
     def connection(self, rank: int) -> Connection | LoopbackConnection:
@@ -351,7 +405,7 @@ class SocketTransport:
                 if tcp and cfg.client_ssl is not None:
                     sock = cfg.client_ssl.wrap_socket(sock, server_hostname=addr.host)
                 sock.settimeout(handshake_timeout)
-                client_handshake(sock, cfg.secret, cfg.rank, rank)
+                incarnation = client_handshake(sock, cfg.secret, cfg.rank, rank, cfg.incarnation)
                 sock.setblocking(False)
                 break
             except (OSError, HandshakeError) as exc:
@@ -365,9 +419,13 @@ class SocketTransport:
                     # (a frozen peer: its kernel accepts the connection, the process is silent)
                     self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
                 raise failure from exc
+        if not self.note_incarnation(rank, incarnation):
+            sock.close()
+            raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
         self._suspected.pop(rank, None)  # back: it answered a fresh handshake
         self._unreachable.pop(rank, None)
         conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
+        conn.incarnation = incarnation
         self._conns.add(conn)
         self._opened += 1
         self._io.call_soon(conn.start)
@@ -463,8 +521,16 @@ class SocketTransport:
                 )
                 await asyncio.wait_for(tls_server_handshake(loop, sock), left)
                 left = cfg.handshake_timeout
-            rank = await asyncio.wait_for(
-                server_handshake(loop, sock, cfg.secret, cfg.rank, cfg.world_size), left
+            rank, incarnation = await asyncio.wait_for(
+                server_accept(
+                    loop,
+                    sock,
+                    cfg.secret,
+                    cfg.rank,
+                    0 if cfg.dynamic else cfg.world_size,
+                    cfg.incarnation,
+                ),
+                left,
             )
         except (HandshakeError, OSError, asyncio.TimeoutError) as exc:
             self._failed_handshakes += 1
@@ -472,16 +538,19 @@ class SocketTransport:
             _log.warning("rejected a connection from %s: handshake %s", peer, reason)
             sock.close()
             return
-        if self._closing:
-            sock.close()
+        if self._closing or not self.note_incarnation(rank, incarnation):
+            sock.close()  # (a replaced incarnation: nothing of it is delivered)
             return
         conn = Connection(self, self._io, sock, rank, self._label(rank), cfg.max_message_size)
+        conn.incarnation = incarnation
         self._conns.add(conn)
         self._accepted += 1
         conn.start()
 
     # -- callbacks from connections ---------------------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if conn.incarnation and not self.is_current(conn):
+            return  # a frame of a replaced incarnation (its connection is closing)
         self._handler.on_frame(conn, frame)
 
     def deliver(self, conn: LoopbackConnection, frame: Frame) -> None:
@@ -502,6 +571,9 @@ class SocketTransport:
         if self._closing:
             return
         failure = conn.broken_error()
+        if not self.is_current(conn):  # the peer restarted: its new incarnation is not judged
+            self._handler.on_connection_lost(conn, failure, peer_dead=True)
+            return
         if not broken_protocol:
             if conn.goodbye_received or self.config.fail_stop:
                 self._dead.setdefault(conn.peer, failure)  # it shut down: proof

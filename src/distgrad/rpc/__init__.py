@@ -30,6 +30,8 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
+from .._rpc._events import MembershipEvent
+from .._rpc._membership import add_membership_listener, members, remove_membership_listener
 from .._rpc._options import (
     BackendValue,
     RpcBackendOptions,
@@ -51,6 +53,7 @@ __all__ = [
     "BackendValue",
     "DistgradError",
     "HandshakeError",
+    "MembershipEvent",
     "MessageTooLargeError",
     "PeerFailureError",
     "PeerStatistics",
@@ -62,6 +65,7 @@ __all__ = [
     "RpcTimeoutError",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "add_membership_listener",
     "api",
     "backend_registered",
     "backend_registry",
@@ -72,8 +76,10 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "is_available",
+    "members",
     "register_backend",
     "remote",
+    "remove_membership_listener",
     "rpc_async",
     "rpc_sync",
     "shutdown",

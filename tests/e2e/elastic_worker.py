@@ -1,0 +1,195 @@
+"""A process of the elastic end-to-end tests (``test_elastic.py``); run as a script.
+
+``python elastic_worker.py member NAME RANK PORT``: join the dynamic group led at
+``tcp://127.0.0.1:PORT``, serve until the leader calls :func:`leave_now` (or 60 s pass), then
+leave with a graceful ``rpc.shutdown()``.
+
+``python elastic_worker.py leader PORT``: rank 0; runs the scenario (members join, one is killed
+and relaunched under its name, one leaves) and prints one JSON line of what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import distgrad.autograd as dist_autograd
+import distgrad.rpc as rpc
+
+_leave = threading.Event()
+HERE = Path(__file__).resolve()
+
+
+def leave_now() -> None:
+    _leave.set()
+
+
+def whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def slow(seconds: float) -> int:
+    time.sleep(seconds)
+    return 1
+
+
+def options(port: int) -> rpc.TensorPipeRpcBackendOptions:
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20, num_worker_threads=4
+    )
+
+
+def member(name: str, rank: int, port: int) -> None:
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    print(f"{name} joined", flush=True)
+    _leave.wait(60)
+    rpc.shutdown()
+
+
+def spawn(name: str, rank: int, port: int, role: str = "member") -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE), role, name, str(rank), str(port)],
+        stdout=None if role == "survivor" else subprocess.DEVNULL,
+    )
+
+
+def survivor(name: str, rank: int, port: int) -> None:
+    """After the leader dies: calls and autograd between the members still work, and leaving
+    without the store returns."""
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    wait_for(lambda: "w2" in names(), "w2 to join")
+    seen: dict[str, Any] = {}
+
+    def leader_gone() -> bool:
+        try:
+            rpc.rpc_sync("w0", whoami, timeout=2)
+            return False
+        except Exception as exc:
+            seen["leader"] = f"{type(exc).__name__}: {exc}"
+            return True
+
+    wait_for(leader_gone, "the leader to die")
+    seen["w2"] = rpc.rpc_sync("w2", whoami)
+    seen["step"] = step(["w2"])
+    rpc.rpc_sync("w2", leave_now)
+    wait_for(lambda: "w2" not in names(), "w2 to leave")
+    started = time.monotonic()
+    rpc.shutdown()
+    seen["shutdown_s"] = round(time.monotonic() - started, 2)
+    print(json.dumps(seen), flush=True)
+
+
+def leader_dies(port: int) -> None:
+    """Rank 0 starts two members, then dies (os._exit: no goodbye, its store gone)."""
+    rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=options(port))
+    spawn("w1", 1, port, "survivor")
+    time.sleep(0.5)
+    spawn("w2", 2, port)
+    wait_for(lambda: len(names()) == 3, "the members to join")
+    os._exit(0)
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def names() -> list[str]:
+    return [w.name for w in rpc.members()]
+
+
+def step(members: list[str]) -> bool:
+    """A distributed autograd step through ``members``; True if it equals local autograd."""
+    w = torch.randn(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        x = w
+        for i, dst in enumerate(members):
+            x = rpc.rpc_sync(dst, torch.mul, args=(x, float(i + 2)))
+        dist_autograd.backward(context_id, [(x * x).sum()])
+        grad = dist_autograd.get_gradients(context_id)[w]
+    local = w.detach().clone().requires_grad_()
+    y = local
+    for i in range(len(members)):
+        y = y * float(i + 2)
+    (y * y).sum().backward()
+    assert local.grad is not None
+    return bool(torch.allclose(grad, local.grad))
+
+
+def leader(port: int) -> None:
+    rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=options(port))
+    events: list[str] = []
+    rpc.add_membership_listener(lambda e: events.append(str(e)))
+    seen: dict[str, Any] = {}
+    procs = [spawn("w1", 1, port)]
+    try:
+        wait_for(lambda: names() == ["w0", "w1"], "w1 to join")
+        seen["w1"] = rpc.rpc_sync("w1", whoami)
+        seen["step_2"] = step(["w1"])
+        rref = rpc.remote("w1", torch.ones, args=(2,))
+        seen["rref_before"] = rref.to_here().tolist()
+        pending = rpc.rpc_async("w1", slow, args=(30.0,))
+        time.sleep(0.3)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        procs.append(spawn("w1", 1, port))  # relaunched under the same name
+        wait_for(lambda: "w1 (rank 1) restarted" in events, "w1 to rejoin")
+        try:
+            pending.wait()
+            seen["pending"] = "no error"
+        except Exception as exc:
+            seen["pending"] = f"{type(exc).__name__}: {exc}"
+        try:
+            rref.to_here()
+            seen["rref_after"] = "no error"
+        except Exception as exc:
+            seen["rref_after"] = f"{type(exc).__name__}: {exc}"
+        del rref
+        seen["w1_again"] = rpc.rpc_sync("w1", whoami)
+        procs.append(spawn("w2", 2, port))
+        wait_for(lambda: "w2" in names(), "w2 to join")
+        seen["step_3"] = step(["w1", "w2"])
+        info = rpc.get_worker_info("w2")
+        rpc.rpc_sync("w2", leave_now)
+        wait_for(lambda: "w2" not in names(), "w2 to leave")
+        try:
+            rpc.rpc_sync(info, whoami)
+            seen["after_leave"] = "no error"
+        except Exception as exc:
+            seen["after_leave"] = f"{type(exc).__name__}: {exc}"
+        seen["step_after_leave"] = step(["w1"])
+        rpc.rpc_sync("w1", leave_now)
+        wait_for(lambda: names() == ["w0"], "w1 to leave")
+        seen["events"] = events
+        for proc in procs[1:]:
+            seen.setdefault("exit", []).append(proc.wait(30))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        rpc.shutdown()
+    print(json.dumps(seen), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "member":
+        member(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "survivor":
+        survivor(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "leader-dies":
+        leader_dies(int(sys.argv[2]))
+    else:
+        leader(int(sys.argv[2]))

@@ -1,0 +1,131 @@
+"""Dynamic groups with real worker processes over real sockets (``elastic_worker.py``): members
+join a running group, one is killed and relaunched under its name (a new incarnation), one
+leaves; distributed autograd steps are exact at each size."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import distgrad.rpc as rpc
+from tests._harness import SRC, free_port
+
+WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
+
+
+def run_leader(mode: str = "leader", timeout: float = 120.0) -> dict[str, object]:
+    """Run the leader's scenario in its own session; kill the session (the leader and the
+    members it started) whatever happens."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("DISTGRAD_SECRET", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), mode, str(free_port())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, err.decode()[-4000:]
+    return json.loads(out.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_join_restart_and_leave_with_real_processes() -> None:
+    """A relaunched worker serves new calls while its old incarnation's call in flight and RRef
+    fail naming it; a member that left is named as departed; autograd is exact throughout."""
+    seen = run_leader()
+    assert seen["w1"] == "w1" and seen["w1_again"] == "w1"
+    assert seen["rref_before"] == [1.0, 1.0]
+    assert str(seen["pending"]).startswith("PeerFailureError") and "w1" in str(seen["pending"])
+    assert "restarted" in str(seen["rref_after"]) and "w1" in str(seen["rref_after"])
+    assert "w2 (rank 2) has left the RPC group" in str(seen["after_leave"])
+    assert seen["step_2"] is True and seen["step_3"] is True
+    assert seen["step_after_leave"] is True
+    assert seen["events"] == [
+        "w1 (rank 1) joined",
+        "w1 (rank 1) restarted",
+        "w1 (rank 1) joined",
+        "w2 (rank 2) joined",
+        "w2 (rank 2) left",
+        "w1 (rank 1) left",
+    ]
+    assert seen["exit"] == [0, 0]  # the members that left exited cleanly
+
+
+def test_losing_the_leader_does_not_stop_the_members() -> None:
+    """Rank 0 (the store's host) dies: the members it let in still call each other, run an
+    exact autograd step, and leave without the store."""
+    seen = run_leader("leader-dies")
+    assert "w0 (rank 0)" in str(seen["leader"])
+    assert seen["w2"] == "w2"
+    assert seen["step"] is True
+    assert isinstance(seen["shutdown_s"], float)
+
+
+def test_bad_dynamic_init_gives_torchs_errors() -> None:
+    """No rank, or an init method with no dynamic form, fails at once with a clear error
+    (torch's for the rank)."""
+    port = free_port()
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="rank parameter missing"):
+        rpc.init_rpc("w", world_size=None, rpc_backend_options=opts)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method="file:///tmp/distgrad-never-used")
+    with pytest.raises(RuntimeError, match=r"needs a tcp:// or env:// init_method"):
+        rpc.init_rpc("w", rank=0, world_size=None, rpc_backend_options=opts)
+    assert not rpc.api._is_current_rpc_agent_set()
+
+
+STATIC_LEADER = """
+import sys, time
+import distgrad.rpc as rpc
+opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+rpc.init_rpc("s0", rank=0, world_size=1, rpc_backend_options=opts)
+print("ready", flush=True)
+sys.stdin.readline()
+rpc.shutdown()
+"""
+
+
+def test_a_dynamic_member_cannot_join_a_static_group() -> None:
+    """A worker with world_size=None meeting a static group's store gets torch's error."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    leader = subprocess.Popen(
+        [sys.executable, "-c", STATIC_LEADER, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert leader.stdout is not None and leader.stdin is not None
+        assert leader.stdout.readline().strip() == "ready"
+        opts = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20
+        )
+        with pytest.raises(RuntimeError, match="mixes statically and dynamically"):
+            rpc.init_rpc("d1", rank=1, world_size=None, rpc_backend_options=opts)
+        assert not rpc.api._is_current_rpc_agent_set()
+        leader.stdin.write("\n")
+        leader.stdin.flush()
+        assert leader.wait(30) == 0
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        leader.wait()
