@@ -76,15 +76,11 @@ def test_losing_the_leader_does_not_stop_the_members() -> None:
 
 
 def test_bad_dynamic_init_gives_torchs_errors() -> None:
-    """No rank, or an init method with no dynamic form, fails at once with a clear error
-    (torch's for the rank)."""
+    """No rank fails at once with torch's error."""
     port = free_port()
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     with pytest.raises(ValueError, match="rank parameter missing"):
         rpc.init_rpc("w", world_size=None, rpc_backend_options=opts)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method="file:///tmp/distgrad-never-used")
-    with pytest.raises(RuntimeError, match=r"needs a tcp:// or env:// init_method"):
-        rpc.init_rpc("w", rank=0, world_size=None, rpc_backend_options=opts)
     assert not rpc.api._is_current_rpc_agent_set()
 
 
@@ -129,3 +125,72 @@ def test_a_dynamic_member_cannot_join_a_static_group() -> None:
         except ProcessLookupError:
             pass
         leader.wait()
+
+
+PARITY_WORKER = Path(__file__).resolve().parent / "dynamic_parity_worker.py"
+
+
+def run_dynamic_program(impl: str, store: Path) -> list[dict[str, object]]:
+    """torch's dynamic-group program on ``impl``: rank 0 first, then ranks 1 and 2 join one at a
+    time; rank 2 leaves, then rank 1, then rank 0. Every process is killed whatever happens."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("DISTGRAD_SECRET", None)
+    procs: list[subprocess.Popen[str]] = []
+    seen: list[dict[str, object]] = []
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, str(PARITY_WORKER), impl, str(rank), str(store)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        return proc
+
+    def read(proc: subprocess.Popen[str], lines: int) -> None:
+        assert proc.stdout is not None
+        for _ in range(lines):
+            line = proc.stdout.readline()
+            assert line, f"{impl}: a member ended early (exit code {proc.wait(30)})"
+            seen.append(json.loads(line))
+
+    try:
+        leader = start(0)
+        read(leader, 1)  # joined
+        first = start(1)
+        read(first, 2)  # joined, to_0
+        second = start(2)
+        read(second, 3)  # joined, to_0, to_1
+        read(leader, 2)  # grown, sums
+        for member in (second, first):
+            assert member.stdin is not None
+            member.stdin.write("\n")
+            member.stdin.flush()
+            read(member, 1)  # left
+            assert member.wait(30) == 0
+        read(leader, 2)  # shrunk, left
+        assert leader.wait(30) == 0
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return seen
+
+
+@pytest.mark.timeout(240)
+def test_torchs_dynamic_group_program_runs_unchanged(tmp_path: Path) -> None:
+    """torch's dynamic-group test program (``file://`` store, members joining one at a time,
+    calls both ways, members leaving) observes on distgrad exactly what it observes on torch's
+    RPC (TensorPipe)."""
+    on_torch = run_dynamic_program("torch", tmp_path / "torch-store")
+    on_distgrad = run_dynamic_program("distgrad", tmp_path / "distgrad-store")
+    assert on_distgrad == on_torch
+    assert {"rank": 0, "grown": ["worker0", "worker1", "worker2"]} in on_torch
+    assert {"rank": 0, "sums": [[2.0, 2.0], [3.0, 3.0]]} in on_torch
+    assert {"rank": 0, "shrunk": ["worker0"]} in on_torch

@@ -1,7 +1,8 @@
 """Dynamic groups (``init_rpc(name, rank=r, world_size=None)``): members join and leave.
 
 As torch's: the *leader* (rank 0) starts first and holds the store (a ``TCPStore`` made from the
-``tcp://`` or ``env://`` init method); every other member joins by rendezvous with it. A join or
+``tcp://`` or ``env://`` init method; with ``file://`` every member opens the same file store);
+every other member joins by rendezvous with it. A join or
 a leave holds the group's *membership token* in the store (torch's
 ``_group_membership_management``), so they happen one at a time:
 
@@ -46,15 +47,9 @@ _MEMBERS = "distgrad/members"
 def open_dynamic_store(
     options: TensorPipeRpcBackendOptions, rank: int, timeout: timedelta
 ) -> tuple[Any, int]:
-    """The leader's store (rank 0 hosts it), as torch's ``_create_store_from_options``, and
+    """The group's store (rank 0 hosts a TCP one), as torch's ``_create_store_from_options``, and
     this worker's rank (from ``$RANK`` with ``env://`` and no rank given). Without a rank,
     torch's errors ("rank parameter missing", "environment variable RANK expected")."""
-    init_method = options.init_method
-    if not (init_method.startswith("tcp://") or init_method.startswith("env://")):
-        raise RuntimeError(
-            "a dynamic RPC group (world_size=None) needs a tcp:// or env:// init_method "
-            f"(the leader, rank 0, hosts the store); got {init_method!r}"
-        )
     from torch.distributed.rendezvous import _create_store_from_options
 
     store = _create_store_from_options(options, rank)  # type: ignore[no-untyped-call]
