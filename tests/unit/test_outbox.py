@@ -100,3 +100,83 @@ def test_notices_to_a_frozen_worker_run_after_it_thaws() -> None:
         pending = world.run(body)[0]
     assert _RAN.get(1) == list(range(N)), _RAN.get(1)
     assert pending == 0
+
+
+def _send_and_settle(world: object, src: int, dst: int, values: range) -> int:
+    """On ``src``: send ``values`` to ``dst`` as notices; wait until acknowledged (8 s at most);
+    return what is still pending."""
+
+    def body() -> int:
+        agent = current_agent()
+        assert agent is not None
+        box = outbox_of(agent)
+        for value in values:
+            box.send(dst, _record, (value,))
+        deadline = time.monotonic() + 8.0
+        while box.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return box.pending()
+
+    return world.run_on(src, body)  # type: ignore[attr-defined, no-any-return]
+
+
+def _ran_on(rank: int, count: int) -> list[int]:
+    deadline = time.monotonic() + 8.0
+    while len(_RAN.get(rank, [])) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return list(_RAN.get(rank, []))
+
+
+def test_a_relaunched_receiver_runs_the_notices_meant_for_it() -> None:
+    """worker1 restarts (a new incarnation) after running notices 1-3 of worker0: worker0's
+    next notices are numbered afresh for it and run there once, in order (they waited for
+    numbers the new incarnation never saw, for ever)."""
+    _RAN.clear()
+    with open_world(2, options=world_options(**OPTIONS), dynamic=True) as world:
+        assert _send_and_settle(world, 0, 1, range(3)) == 0
+        assert _ran_on(1, 3) == [0, 1, 2]
+        world.kill(1)
+        world.join(1)
+        _RAN.pop(1)
+        assert _send_and_settle(world, 0, 1, range(3, 6)) == 0
+        assert _ran_on(1, 3) == [3, 4, 5]
+
+
+def test_a_relaunched_sender_is_counted_afresh() -> None:
+    """worker1 sends notices 1-3 to worker0, restarts, and sends again from number 1: the new
+    incarnation's notices run on worker0 (they were dropped as duplicates of the old ones and
+    acknowledged: lost without a trace)."""
+    _RAN.clear()
+    with open_world(2, options=world_options(**OPTIONS), dynamic=True) as world:
+        assert _send_and_settle(world, 1, 0, range(3)) == 0
+        assert _ran_on(0, 3) == [0, 1, 2]
+        world.kill(1)
+        world.join(1)
+        assert _send_and_settle(world, 1, 0, range(3, 6)) == 0
+        assert _ran_on(0, 6) == [0, 1, 2, 3, 4, 5]
+
+
+def test_nothing_queued_for_an_old_incarnation_reaches_the_new_one() -> None:
+    """Notices queued for worker1 while it is frozen (never acknowledged) are dropped when it
+    is replaced by a new incarnation: the new one runs only what was sent after."""
+    _RAN.clear()
+    never = Fault("delay", function="no-such-function")
+    with open_world(
+        2, options=world_options(**OPTIONS), faults=[never], dynamic=True, timeout=20
+    ) as world:
+        assert world.faults is not None
+        world.faults.freeze(1)
+
+        def queue() -> int:
+            agent = current_agent()
+            assert agent is not None
+            for value in range(3):
+                outbox_of(agent).send(1, _record, (value,))
+            return outbox_of(agent).pending()
+
+        assert world.run_on(0, queue) == 3
+        world.kill(1)  # (the new incarnation's transport is not frozen)
+        world.join(1)
+        assert _send_and_settle(world, 0, 1, range(3, 5)) == 0
+        time.sleep(0.3)  # several resend periods: an old notice would have arrived by now
+        assert _RAN.get(1) == [3, 4], _RAN.get(1)
