@@ -207,19 +207,22 @@ def test_a_severed_link_is_a_dead_peer_on_both_sides() -> None:
         world.kill(0)
 
 
-def test_a_frozen_worker_is_presumed_dead_and_can_be_thawed() -> None:
+def test_a_frozen_worker_is_suspected_and_called_again_once_thawed() -> None:
     """A frozen worker answers nothing and sends no heartbeats: a call to it fails after the
-    peer timeout, not the RPC timeout; thawed, it delivers what waited."""
+    peer timeout, not the RPC timeout, and it is suspected, not dead; thawed, it delivers what
+    waited and is called again, both ways."""
     options = world_options(heartbeat_interval=0.05, peer_timeout=0.4, rpc_timeout=0)
     with open_world(2, options=options, faults=[]) as world:
         assert world.faults is not None
         world.faults.freeze(1)
         started = time.monotonic()
-        with pytest.raises(PeerFailureError, match="presumed dead"):
+        with pytest.raises(PeerFailureError, match="suspected"):
             world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))
         assert time.monotonic() - started < 5
+        assert not world.agents[0].peer_is_dead(1)
         world.faults.thaw(1)
-        world.kill(0)
+        assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3
+        assert world.run_on(1, rpc.rpc_sync, "worker0", add, (2, 2)) == 4
 
 
 def test_the_workers_plan_is_reachable_from_its_threads() -> None:

@@ -164,3 +164,32 @@ def test_rref_protocol_when_the_owner_dies(step: str) -> None:
     """The owner dies as a protocol message is sent to it: the users get a clear error and
     keep nothing of that RRef."""
     _run(OWNER_DIES[step](), kill=1)
+
+
+def test_deletes_for_a_suspected_owner_arrive_when_it_is_back() -> None:
+    """The owner is frozen past peer_timeout while its user lets go of the RRef, and the
+    delete's first two attempts are lost: the delete fails on suspicion, is retried while the
+    owner is only suspected, and reaches it once it thaws -- the owner's tables end empty
+    (before, the delete was given up and the owner kept the value until shutdown)."""
+    world_box: list[World] = []
+
+    def body(rank: int) -> object:
+        if rank != 0:
+            return None
+        rref = rpc.remote("worker1", make_value, args=(4,))
+        value = rref.to_here().tolist()
+        plan = world_box[0].faults
+        assert plan is not None
+        plan.freeze(1)
+        del rref
+        gc.collect()
+        time.sleep(OPTIONS["peer_timeout"] + 1.5)  # suspected, with the delete failing
+        plan.thaw(1)
+        return value
+
+    lost = Fault("drop", type="RREF_USER_DELETE", times=2)
+    with open_world(3, options=world_options(**OPTIONS), faults=[lost], timeout=20) as world:
+        world_box.append(world)
+        assert world.run(body)[0] == [0.0, 1.0, 2.0, 3.0]
+        tables = _wait_empty(world)
+        assert all(t == EMPTY for t in tables.values()), tables

@@ -45,6 +45,7 @@ _log = logging.getLogger("distgrad.rpc")
 
 _RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
 _RETRY_BACKOFF = 0.05  # seconds before the first retry; doubles each time
+_SUSPECTED_RETRY = 0.5  # seconds between attempts while the peer is suspected
 
 #: what an internal call's answer is handed to: ``(result, error)``
 AnswerCallback = Callable[[Any, BaseException | None], None]
@@ -225,6 +226,8 @@ class Outgoing:
 
         def get_worker_info(self, to: str | int | None = None) -> WorkerInfo: ...
 
+        def incarnation_of(self, rank: int) -> int: ...
+
     def call_internal(
         self,
         dst: int,
@@ -276,15 +279,35 @@ class Outgoing:
         """An internal message whose handler is idempotent (the reference's
         ``sendWithRetries``): a failure other than a dead peer or a stopped agent -- a timeout
         (each attempt has the default RPC timeout) included -- is retried, after a pause that
-        doubles each time (``_RETRY_BACKOFF``). The future completes with
-        the result or the last error."""
+        doubles each time (``_RETRY_BACKOFF``), ``attempts`` times in all. A peer that is only
+        *suspected* (silent, or its connection lost without proof of death) is tried again
+        for as long as it stays so, at most every ``_SUSPECTED_RETRY`` seconds and without
+        counting those attempts: what it missed reaches it when it is back (a partition that
+        heals), and the retries end when it is proved dead or this agent stops. The future
+        completes with the result or the last error."""
         result: torch.futures.Future[Any] = torch.futures.Future()
+        incarnation = self.incarnation_of(dst)
 
         def failed(exc: BaseException, left: int) -> None:
-            if isinstance(exc, (PeerFailureError, RpcShutdownError)) or left <= 1:
+            if isinstance(exc, RpcShutdownError) or self.state.stopped:
                 set_future_error(result, exc)
                 return
-            pause = _RETRY_BACKOFF * 2 ** (attempts - left)
+            if isinstance(exc, PeerFailureError):
+                transport = self._transport
+                if (
+                    transport is None
+                    or transport.is_dead(dst)
+                    or self.incarnation_of(dst) != incarnation  # never to its successor
+                ):
+                    set_future_error(result, exc)
+                    return
+                left += 1  # suspected: this attempt does not count
+                pause = _SUSPECTED_RETRY
+            elif left <= 1:
+                set_future_error(result, exc)
+                return
+            else:
+                pause = _RETRY_BACKOFF * 2 ** (attempts - left)
 
             def retry() -> None:  # on the I/O thread: the attempt may block, so not here
                 try:
@@ -301,7 +324,10 @@ class Outgoing:
             try:
                 # the default timeout: an attempt that is lost is retried after it
                 future = self.call_async(self.get_worker_info(dst), func, args, {}, internal=True)
-            except BaseException as exc:  # the peer is gone, this agent stops, bad arguments
+            except PeerFailureError as exc:  # gone, or suspected and not reachable now
+                failed(exc, left)
+                return
+            except BaseException as exc:  # this agent stops, bad arguments
                 set_future_error(result, exc)
                 return
 

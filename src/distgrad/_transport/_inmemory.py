@@ -446,9 +446,22 @@ class MemoryTransport:
         if not self.is_current(link):  # the peer restarted: its new incarnation is not judged
             self.handler.on_connection_lost(link, failure, peer_dead=True)
             return
-        if not broken_protocol:
+        if not broken_protocol and (
+            link.goodbye_received or self.config.fail_stop or not self._listening(link.peer)
+        ):
+            # it shut down, or nothing listens at its address (what a reconnect would prove)
             self._dead.setdefault(link.peer, failure)
+        # (otherwise the peer is suspected, as over sockets: what waited on it fails, and the
+        # next send connects again)
         self.handler.on_connection_lost(link, failure, peer_dead=not broken_protocol)
+
+    def _listening(self, rank: int) -> bool:
+        """Whether the agent at ``rank``'s address still listens (a connect would not be
+        refused)."""
+        address = self._peers.get(rank)
+        if address is None or address.host_id != self.network.id:
+            return False
+        return self.network._lookup(address.port) is not None
 
     def _beat(self) -> None:
         config = self.config
@@ -464,7 +477,8 @@ class MemoryTransport:
                 link.close(
                     PeerFailureError(
                         f"{link.peer_label} sent nothing for {silent:.1f}s "
-                        f"(peer timeout {config.peer_timeout:g}s); it is presumed dead",
+                        f"(peer timeout {config.peer_timeout:g}s); it is suspected: what "
+                        "waited on it fails, a later call connects again",
                         link.peer_label,
                     )
                 )
