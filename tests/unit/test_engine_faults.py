@@ -30,7 +30,7 @@ from distgrad.testing import (
 
 WORLD = 4
 #: short bounds (a lost message fails a case in a second), loose enough for a loaded machine
-OPTIONS = dict(rpc_timeout=1.0, heartbeat_interval=0.1, peer_timeout=2.0)
+OPTIONS = dict(rpc_timeout=0.5, heartbeat_interval=0.1, peer_timeout=2.0)
 
 GRAD = "_grad_message"  # a worker's first gradient message of a pass (answered when done)
 LATE = "_late_grad_message"  # later gradient messages (one-way)
@@ -140,7 +140,7 @@ CASES: dict[str, Case] = {
     "late-grad-delayed": Case(Fault("delay", function=LATE, seconds=0.05), "grads"),
     "late-grad-reordered": Case(Fault("reorder", function=LATE, nth=1, hold=0.05), "grads"),
     "answer-dropped": Case(Fault("drop", type=ANSWER, nth=1), "error", TIMEOUT),
-    "answer-delayed": Case(Fault("delay", type=ANSWER, seconds=0.05), "grads"),
+    "answer-delayed": Case(Fault("delay", type=ANSWER, seconds=0.02), "grads"),  # every answer
     "grad-send-fails": Case(Fault("fail", function=GRAD, nth=1), "error", "failed intentionally"),
 }
 
