@@ -66,7 +66,7 @@ from ._hooks import (
     run_accumulators,
 )
 
-__all__ = ["BackwardError", "backward", "install"]
+__all__ = ["BackwardError", "backward", "on_peer_failure"]
 
 _log = logging.getLogger("distgrad.autograd")
 
@@ -202,7 +202,6 @@ class Pass:
     # -- joining -------------------------------------------------------------------------------
     def start(self) -> None:
         """Analyse the local graph, tell the known workers, finalise unreachable recvs."""
-        install()
         ctx = self.ctx
         sends: dict[int, SendRecord] = dict(ctx.send_functions)
         recv_records: dict[int, RecvRecord] = dict(ctx.recv_functions)
@@ -700,7 +699,9 @@ def _late_grad_message(message: GradMessage) -> None:
         agent.schedule(lambda: _grad_message(message))
 
 
-def _on_peer_failure(worker: int, error: Exception) -> None:
+def on_peer_failure(worker: int, error: Exception) -> None:
+    """A peer was lost (the autograd layer's hook): fail the passes that wait on it and
+    release the contexts it was this worker's only way to be told about."""
     me = CONTAINER.worker_id  # (agents of an in-memory world share the process and the set)
     with _PASSES_LOCK:
         passes = [p for p in _ALL_PASSES if p.worker_id == me]
@@ -711,10 +712,3 @@ def _on_peer_failure(worker: int, error: Exception) -> None:
     from ._cleanup import release_orphans  # (it imports this module)
 
     release_orphans(worker)
-
-
-def install() -> None:
-    """Hook the engine into the RPC agent (peer failures) -- called when an agent starts."""
-    agent = current_agent()
-    if agent is not None and _on_peer_failure not in agent.peer_failure_listeners:
-        agent.peer_failure_listeners.append(_on_peer_failure)

@@ -22,7 +22,7 @@ from .._errors import RpcTimeoutError
 from .._transport._base import TransportFactory
 from .._transport._faulty import FaultyTransport
 from .._transport._transport import SocketTransport
-from . import _collectives, _dynamic, _rendezvous
+from . import _collectives, _dynamic, _layer, _rendezvous
 from ._agent import RpcAgent, current_agent, set_current_agent
 from ._calls import is_builtin
 from ._options import (
@@ -57,8 +57,6 @@ To = str | int | WorkerInfo
 _init_lock = threading.Lock()
 _init_counter = itertools.count()
 _failed_stores: list[Any] = []
-#: Callables run by ``init_rpc(rank)`` before the agent starts (dist autograd registers here).
-init_hooks: list[Callable[[int], None]] = []
 
 
 def _agent() -> RpcAgent:
@@ -187,8 +185,6 @@ def init_rpc(
         ):
             store, rank = _dynamic.open_dynamic_store(options, int(rank), timeout)
             store = torch.distributed.PrefixStore("rpc_dynamic", store)  # type: ignore[attr-defined]
-            for hook in init_hooks:
-                hook(int(rank))
             _start_dynamic_agent(store, name, int(rank), options, transport)
             return
         store, rank, world_size, iterator = _rendezvous.open_store(
@@ -196,8 +192,6 @@ def init_rpc(
         )
         prefix = f"rpc_prefix_{next(_init_counter)}"
         store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-        for hook in init_hooks:
-            hook(rank)
         _start_agent(store, name, rank, world_size, options, transport, keepalive=[iterator])
 
 
@@ -416,8 +410,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                 return left
 
             _collectives.wait_all_workers(remaining())
-            for hook in list(agent.shutdown_hooks):
-                hook()
+            _layer.shutting_down(agent)
             agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
             while True:
                 agent.wait_until_idle(deadline)
@@ -437,8 +430,7 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
         if graceful:
             deadline = time.monotonic() + timeout if timeout > 0 else None
             agent.wait_until_idle(deadline)
-            for hook in list(agent.shutdown_hooks):
-                hook()
+            _layer.shutting_down(agent)
             agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
             budget = (
                 max(deadline - time.monotonic(), 0.1) if deadline is not None else agent.rpc_timeout

@@ -15,13 +15,13 @@ reference does (forced for Python functions, ``remote`` and ``to_here``). Protoc
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from .._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
 from .._wire._pickler import register_reducer
+from . import _layer
 from ._agent import RpcAgent, current_agent
 from ._calls import fresh_copy
 from ._functions import async_execution
@@ -37,7 +37,7 @@ from ._worker_info import WorkerInfo
 if TYPE_CHECKING:
     from ._rref_proxy import RRefProxy
 
-__all__ = ["RRef", "set_dist_backward"]
+__all__ = ["RRef"]
 
 T = TypeVar("T")
 
@@ -45,14 +45,6 @@ _NO_AGENT = (
     "Current RPC agent is not set! Did you initialize the RPC framework "
     "(e.g. by calling `rpc.init_rpc`)?"
 )
-
-#: ``dist_autograd.backward``, installed by the autograd layer (RPC never imports it).
-_dist_backward: Callable[[int, list[torch.Tensor], bool], None] | None = None
-
-
-def set_dist_backward(backward: Callable[[int, list[torch.Tensor], bool], None]) -> None:
-    global _dist_backward
-    _dist_backward = backward
 
 
 def _agent_or_raise() -> RpcAgent:
@@ -495,9 +487,10 @@ def _owner_backward(value: Any, context_id: int, retain_graph: bool) -> None:
     if context_id == -1:
         torch.autograd.backward([value], retain_graph=retain_graph)
         return
-    if _dist_backward is None:
+    recorder = _layer.call_recorder()  # distributed autograd (RPC never imports it)
+    if recorder is None:
         raise RuntimeError("distributed autograd is not available (import distgrad.autograd)")
-    _dist_backward(context_id, [value], retain_graph)
+    recorder.backward(context_id, [value], retain_graph)
 
 
 # -- pickling through RPC (forks) --------------------------------------------------------------
