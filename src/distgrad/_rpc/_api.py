@@ -1,43 +1,26 @@
-"""The public RPC functions (``distgrad.rpc`` re-exports them), shaped like torch's."""
+"""The public RPC functions (``distgrad.rpc`` re-exports them), shaped like torch's; ``init_rpc``
+lives in ``_init``, ``shutdown`` in ``_shutdown``."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
-import itertools
-import logging
-import numbers
-import os
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import torch
 
 from .. import _config
-from .._errors import RpcTimeoutError
-from .._transport._base import TransportFactory
-from .._transport._faulty import FaultyTransport
-from .._transport._transport import SocketTransport
-from . import _collectives, _dynamic, _layer, _rendezvous
-from ._agent import RpcAgent, current_agent, set_current_agent
+from ._agent import RpcAgent
 from ._calls import is_builtin
-from ._options import (
-    BackendType,
-    FaultyTensorPipeRpcBackendOptions,
-    RpcBackendOptions,
-    TensorPipeRpcBackendOptions,
-    construct_rpc_backend_options,
-    infer_backend,
-    is_backend_type,
-)
+from ._current import require_agent
+from ._init import init_rpc, init_rpc_backend
 from ._remote import create_remote
 from ._rref import RRef
+from ._shutdown import shutdown
 from ._torchscript import as_rpc_target
-from ._worker_info import WorkerInfo, validate_worker_name
+from ._worker_info import WorkerInfo
 
 __all__ = [
     "get_rpc_timeout",
@@ -51,21 +34,12 @@ __all__ = [
     "wait_all",
 ]
 
+
 F = TypeVar("F", bound=Callable[..., Any])
 To = str | int | WorkerInfo
 
-_init_lock = threading.Lock()
-_init_counter = itertools.count()
-_failed_stores: list[Any] = []
 
-
-def _agent() -> RpcAgent:
-    agent = current_agent()
-    if agent is None:
-        raise RuntimeError(
-            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
-        )
-    return agent
+_agent = require_agent
 
 
 def _require_initialized(func: F) -> F:
@@ -75,393 +49,6 @@ def _require_initialized(func: F) -> F:
         return func(*args, **kwargs)
 
     return cast(F, wrapper)
-
-
-def _to_options(options: object) -> TensorPipeRpcBackendOptions:
-    """Accept our options, or torch's own TensorPipe options object (copied over)."""
-    if isinstance(options, TensorPipeRpcBackendOptions):
-        return options
-    if hasattr(options, "messages_to_fail"):  # torch's FaultyTensorPipeRpcBackendOptions
-        return FaultyTensorPipeRpcBackendOptions(
-            int(getattr(options, "num_worker_threads", 16)),
-            float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
-            str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
-            list(getattr(options, "messages_to_fail", [])),
-            dict(getattr(options, "messages_to_delay", {})),
-            int(getattr(options, "num_fail_sends", 0)),
-        )
-    converted = TensorPipeRpcBackendOptions(
-        num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
-        rpc_timeout=float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
-        init_method=str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
-    )
-    return converted
-
-
-def _is_options(options: object) -> bool:
-    if isinstance(options, RpcBackendOptions):
-        return True
-    torch_options = getattr(torch.distributed.rpc, "RpcBackendOptions", None)
-    return torch_options is not None and isinstance(options, torch_options)
-
-
-def init_rpc(
-    name: str,
-    backend: Any = None,
-    rank: int = -1,
-    world_size: int | None = None,
-    rpc_backend_options: RpcBackendOptions | None = None,
-) -> None:
-    """Start this worker's RPC agent and join the group (torch's ``init_rpc``).
-
-    Every worker of the group calls it with its own ``name`` and ``rank``; it returns once
-    every worker has joined and can serve calls. It also initializes distributed autograd
-    (``distgrad.autograd``) for this worker, with the rank as its worker id. After
-    :func:`shutdown`, ``init_rpc`` may be called again (a new group).
-
-    Args:
-        name (str): this worker's globally unique name, e.g. ``"trainer0"``: letters, digits,
-            ``-``, ``_`` and ``:``, 1 to 127 characters.
-        backend (BackendType, optional): ``BackendType.TENSORPIPE`` (the default; accepted so
-            torch programs run unchanged: the agent is always distgrad's) or a registered
-            backend. When ``None`` it is inferred from ``rpc_backend_options``.
-        rank (int): this worker's rank, ``0 <= rank < world_size``. ``-1`` (the default) with
-            ``init_method="env://"`` reads ``RANK`` from the environment.
-        world_size (int, optional): number of workers in the group. ``None`` with
-            ``init_method="env://"`` reads ``WORLD_SIZE``; groups whose members join and leave
-            are not supported.
-        rpc_backend_options (TensorPipeRpcBackendOptions, optional): timeouts, the rendezvous
-            ``init_method`` (``env://`` by default: ``MASTER_ADDR`` and ``MASTER_PORT``; also
-            ``tcp://host:port`` and ``file://path``), worker threads and distgrad's own
-            options (cluster secret, TLS, message size, failure detection). torch's own
-            ``TensorPipeRpcBackendOptions`` is accepted too.
-
-    Raises:
-        TypeError: ``backend`` is not a ``BackendType`` member, or ``rpc_backend_options``
-            is not backend options (torch's messages, e.g. "Argument backend must be a member
-            of BackendType").
-        RuntimeError: "RPC is already initialized"; a name torch refuses ("Worker name must
-            match ^[A-Za-z0-9-_:]*$, ..."); two workers with the same name ("... is not
-            unique"); the rendezvous timed out (after ``rpc_timeout``); no world size.
-
-    Example:
-        # The same program on two workers: distgrad run -n 2 prog.py (or torchrun) sets
-        # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE.
-
-        # on worker 0 (RANK=0)
-        import torch
-        import distgrad.rpc as rpc
-
-        rpc.init_rpc("worker0", rank=0, world_size=2)
-        print(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3)))  # tensor([4., 4.])
-        rpc.shutdown()
-
-        # on worker 1 (RANK=1)
-        import distgrad.rpc as rpc
-
-        rpc.init_rpc("worker1", rank=1, world_size=2)
-        rpc.shutdown()  # serves worker0's calls until worker0 shuts down too
-    """
-    if backend is not None and not is_backend_type(backend):
-        raise TypeError("Argument backend must be a member of BackendType")
-    if rpc_backend_options is not None and not _is_options(rpc_backend_options):
-        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
-    if backend is None and rpc_backend_options is not None:
-        backend = infer_backend(rpc_backend_options)
-    if backend is None:
-        backend = BackendType.TENSORPIPE
-    if rpc_backend_options is None:
-        rpc_backend_options = construct_rpc_backend_options(backend)
-    options, transport = _check_options(backend, rpc_backend_options)
-    if not isinstance(name, str):  # torch's check (made before the rendezvous here)
-        raise RuntimeError(f"Argument {name} must be of type {str} but got type {type(name)}")
-    validate_worker_name(name)
-    with _init_lock:
-        if current_agent() is not None:
-            raise RuntimeError("RPC is already initialized")
-        timeout = _rendezvous.store_timeout(options.rpc_timeout)
-        if world_size is None and not (
-            options.init_method.startswith("env://") and os.environ.get("WORLD_SIZE")
-        ):
-            store, rank = _dynamic.open_dynamic_store(options, int(rank), timeout)
-            store = torch.distributed.PrefixStore("rpc_dynamic", store)  # type: ignore[attr-defined]
-            _start_dynamic_agent(store, name, int(rank), options, transport)
-            return
-        store, rank, world_size, iterator = _rendezvous.open_store(
-            options.init_method, rank, world_size, timeout
-        )
-        prefix = f"rpc_prefix_{next(_init_counter)}"
-        store = torch.distributed.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-        _start_agent(store, name, rank, world_size, options, transport, keepalive=[iterator])
-
-
-def _check_options(
-    backend: Any, options: object
-) -> tuple[TensorPipeRpcBackendOptions, TransportFactory]:
-    """``options`` as distgrad's agent takes them and the transport they ask for, or torch's
-    error for options that do not belong to ``backend``."""
-    if backend.name == "TENSORPIPE" and not (
-        isinstance(options, TensorPipeRpcBackendOptions) or hasattr(options, "num_worker_threads")
-    ):
-        raise TypeError(f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. {options}")
-    if backend.name == "FAULTY_TENSORPIPE" and not isinstance(
-        options, FaultyTensorPipeRpcBackendOptions
-    ):
-        raise TypeError(
-            f"`rpc_backend_options` must be a `FaultyTensorPipeRpcBackendOptions`. {options}"
-        )
-    checked = _to_options(options)
-    transport: TransportFactory = SocketTransport
-    if isinstance(checked, FaultyTensorPipeRpcBackendOptions):
-        transport = FaultyTransport.factory(SocketTransport, checked.fault_plan())
-    return checked, transport
-
-
-def init_rpc_backend(
-    backend: Any = BackendType.TENSORPIPE,
-    store: Any = None,
-    name: str | None = None,
-    rank: int = -1,
-    world_size: int | None = None,
-    rpc_backend_options: RpcBackendOptions | None = None,
-) -> None:
-    """torch's ``rpc._init_rpc_backend``: start the agent on a store the caller made (a
-    ``torch.distributed.Store`` every worker of the group shares), without the rendezvous of
-    ``init_rpc`` -- and, as torch's, without initializing distributed autograd."""
-    _validate_rpc_args(backend, store, name, rank, world_size, rpc_backend_options)
-    assert name is not None and rpc_backend_options is not None  # checked above
-    if world_size is None:
-        raise RuntimeError(
-            "distgrad needs a static RPC group: pass world_size (dynamic groups are not "
-            "supported yet)"
-        )
-    options, transport = _check_options(backend, rpc_backend_options)
-    validate_worker_name(name)
-    with _init_lock:
-        if current_agent() is not None:
-            raise RuntimeError("RPC is already initialized")
-        _start_agent(store, name, rank, world_size, options, transport, keepalive=[])
-
-
-def _validate_rpc_args(
-    backend: Any,
-    store: Any,
-    name: object,
-    rank: object,
-    world_size: object,
-    options: object,
-) -> None:
-    """torch's ``_validate_rpc_args``, with its message."""
-    checks: list[tuple[object, Any, bool]] = [
-        (backend, BackendType, is_backend_type(backend)),
-        (store, torch.distributed.Store, isinstance(store, torch.distributed.Store)),  # type: ignore[attr-defined]
-        (name, str, isinstance(name, str)),
-        (rank, numbers.Integral, isinstance(rank, numbers.Integral)),
-        (
-            world_size,
-            (numbers.Integral, type(None)),
-            isinstance(world_size, (numbers.Integral, type(None))),
-        ),
-        (options, RpcBackendOptions, _is_options(options)),
-    ]
-    for arg, arg_type, ok in checks:
-        if not ok:
-            raise RuntimeError(
-                f"Argument {arg} must be of type {arg_type} but got type {type(arg)}"
-            )
-
-
-def _start_agent(
-    store: Any,
-    name: str,
-    rank: int,
-    world_size: int,
-    options: TensorPipeRpcBackendOptions,
-    transport: TransportFactory,
-    keepalive: list[Any],
-) -> None:
-    """Start the agent, meet the group through ``store`` and make the agent current (the
-    caller holds ``_init_lock``)."""
-    agent = RpcAgent(name, rank, world_size, options, transport=transport)
-    agent.keepalive += [store, *keepalive]
-    try:
-        secret = _rendezvous.agree_secret(store, rank, options)
-        address = agent.start_transport(
-            secret.key, _rendezvous.listen_host(options.init_method, options)
-        )
-        workers, addresses = _rendezvous.exchange_addresses(
-            store, agent.worker_info, address, world_size, secret.explicit
-        )
-        agent.set_peers(workers, addresses)
-        set_current_agent(agent)
-        _register_exit_hook()
-        _rendezvous.barrier(store, "distgrad/ready", world_size)
-    except BaseException:
-        set_current_agent(None)
-        agent.stop(graceful=False)
-        # Rank 0 hosts the TCPStore: keep it up after a failed init, as other workers may
-        # still be reading from it (they would see "Broken pipe" or hang otherwise).
-        _failed_stores.append(store)
-        raise
-
-
-def _start_dynamic_agent(
-    store: Any,
-    name: str,
-    rank: int,
-    options: TensorPipeRpcBackendOptions,
-    transport: TransportFactory,
-) -> None:
-    """Start the agent of a dynamic group and join the group (the caller holds
-    ``_init_lock``)."""
-    agent = RpcAgent(name, rank, 0, options, transport=transport, dynamic=True)
-    agent.keepalive.append(store)
-    try:
-        secret = _rendezvous.agree_secret(store, rank, options)
-        address = agent.start_transport(
-            secret.key, _rendezvous.listen_host(options.init_method, options)
-        )
-        set_current_agent(agent)
-        _dynamic.join_group(agent, store, address, secret.explicit, options.rpc_timeout)
-        _register_exit_hook()
-    except BaseException:
-        set_current_agent(None)
-        agent.stop(graceful=False)
-        _failed_stores.append(store)
-        raise
-
-
-_exit_hook_registered = False
-
-
-def _register_exit_hook() -> None:
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        atexit.register(_stop_at_exit)
-        _exit_hook_registered = True
-
-
-def _stop_at_exit() -> None:
-    """Stop an agent that the program left running (it ended, or raised, without
-    ``shutdown()``), while the interpreter is still whole: the agent's I/O thread must not
-    outlive it. An event of its loop firing during finalization (a heartbeat timer, a peer's
-    frame) would call into an interpreter that is gone, and the process would die of SIGSEGV
-    instead of exiting with the program's status. Not graceful: the peers see this worker
-    leave as they would see it die. (atexit runs after the non-daemon threads have ended.)"""
-    agent = current_agent()
-    if agent is None or agent.pid != os.getpid():  # shut down already, or a forked child
-        return
-    try:
-        shutdown(graceful=False)
-    except Exception as exc:  # exiting anyway (e.g. an RRef leak reported): say so, go on
-        logging.getLogger("distgrad.rpc").warning("stopping RPC at exit: %r", exc)
-
-
-def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TIMEOUT) -> None:
-    """Stop this worker's agent (torch's ``shutdown``).
-
-    With ``graceful`` (the default) every worker first waits for all workers to reach
-    shutdown, then for every RPC in flight anywhere in the group (including follow-up calls
-    they cause) to finish, and for the users of RRefs this worker owns to be deleted. A
-    worker that only serves calls typically calls ``shutdown()`` right after ``init_rpc``:
-    it serves until every worker has reached shutdown. Whatever happens, the agent is stopped
-    before this returns or raises, and ``init_rpc`` may be called again.
-
-    Args:
-        graceful (bool): wait for the group and for calls in flight (``True``), or stop at
-            once (``False``: calls still waiting fail with ``RpcShutdownError``).
-        timeout (float): seconds the graceful wait may take in all; ``0`` (the default)
-            waits as long as it takes. A dead peer ends the wait early.
-
-    Raises:
-        RuntimeError: RPC is not initialized; with ``rpc.api._ignore_rref_leak = False``,
-            "Leaking RRef ..." when forks of RRefs owned here were still registered.
-        RpcTimeoutError: the graceful wait passed ``timeout`` (the agent is stopped anyway).
-        PeerFailureError: a peer died during the graceful wait.
-
-    Example:
-        # The worker that does the work and the worker that serves it.
-
-        # on worker 0
-        rpc.init_rpc("worker0", rank=0, world_size=2)
-        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
-        rpc.shutdown()  # returns once worker1 reached shutdown and nothing is in flight
-
-        # on worker 1
-        rpc.init_rpc("worker1", rank=1, world_size=2)
-        rpc.shutdown()  # serves worker0 meanwhile
-    """
-    agent = _agent()
-    if agent.dynamic:
-        _leave(agent, graceful, timeout)
-        return
-    try:
-        if graceful:
-            deadline = time.monotonic() + timeout if timeout > 0 else None
-
-            def remaining() -> float:
-                if deadline is None:
-                    return 0
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RpcTimeoutError(
-                        f"shutdown timed out after {timeout:g}s waiting for other workers"
-                    )
-                return left
-
-            _collectives.wait_all_workers(remaining())
-            _layer.shutting_down(agent)
-            agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
-            while True:
-                agent.wait_until_idle(deadline)
-                counts = _collectives.all_gather(agent.active_calls(), timeout=remaining())
-                if sum(counts.values()) == 0:
-                    break
-    finally:
-        set_current_agent(None)
-        agent.stop(graceful=graceful)
-    _check_rref_leaks(agent)
-
-
-def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
-    """``shutdown()`` of a member of a dynamic group: it leaves; the others go on. Graceful:
-    its own calls finish, its RRef users are deleted, every member is told it leaves."""
-    try:
-        if graceful:
-            deadline = time.monotonic() + timeout if timeout > 0 else None
-            agent.wait_until_idle(deadline)
-            _layer.shutting_down(agent)
-            agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
-            budget = (
-                max(deadline - time.monotonic(), 0.1) if deadline is not None else agent.rpc_timeout
-            )
-            store = agent.keepalive[0] if agent.keepalive else None
-            _dynamic.leave_group(agent, store, budget)
-    finally:
-        set_current_agent(None)
-        agent.stop(graceful=graceful)
-    _check_rref_leaks(agent)
-
-
-def _rref_drain_timeout(agent: RpcAgent, deadline: float | None) -> float:
-    """How long shutdown waits for RRef users to be deleted: what is left of its timeout, or
-    (with none) the default RPC timeout (60 s if that is infinite too)."""
-    if deadline is not None:
-        return max(0.0, deadline - time.monotonic())
-    return agent.rpc_timeout if agent.rpc_timeout > 0 else _config.DEFAULT_RPC_TIMEOUT_SEC
-
-
-def _check_rref_leaks(agent: RpcAgent) -> None:
-    # ``rpc.api._ignore_rref_leak`` (default True), as in the reference: users set it on the
-    # public module, so it is read from there.
-    public = sys.modules.get("distgrad.rpc.api")
-    if getattr(public, "_ignore_rref_leak", True) or not agent.rref_leaks:
-        return
-    rref_id, fork_id = agent.rref_leaks[0]
-    raise RuntimeError(
-        f"Leaking RRef {rref_id} with fork Id {fork_id}\n"
-        f"({len(agent.rref_leaks)} forks were still registered at shutdown)"
-    )
 
 
 @_require_initialized
