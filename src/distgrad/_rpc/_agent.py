@@ -32,7 +32,9 @@ a worker thread otherwise. The distributed backward engine uses both for its gra
 
 A request carries ``(func, args, kwargs)`` and a response the result; tensors travel in the
 message's tensor table, together with an ``ext`` object that belongs to the layer above (see
-``_extension``: distributed autograd attaches its metadata there).
+``_layer``: distributed autograd, the layer that records calls, attaches its metadata there).
+The layers above hear of the agent's start, of lost peers and of a graceful shutdown through
+the same protocol.
 """
 
 from __future__ import annotations
@@ -130,7 +132,6 @@ class RpcAgent(Outgoing, Serving):
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
-        #: called (on a callback thread) with the rank and error of every peer found dead
         self.rrefs = RRefContext(self)
         self._codec = Codec(options, self._by_rank, self._label)
         self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped

@@ -3,8 +3,8 @@
 
 The RPC layer never imports the layers above it (distributed autograd, the profiler); they
 subclass :class:`RpcLayer`, override the hooks they need (the others are no-ops) and register
-an instance when their public module is imported. Registration is idempotent (an equal name
-replaces the layer in place) and keeps its order, which is the order lifecycle hooks run in.
+an instance when their public module is imported. Registration is idempotent (a layer of the
+same name replaces the old one in place) and keeps its order: lifecycle hooks run in it.
 
 A layer plays up to two *roles* on the call path, each held by at most one layer:
 
