@@ -121,6 +121,25 @@ def test_lifecycle_hooks_run_in_order_on_the_agents_threads() -> None:
     ]
 
 
+def test_a_graceful_shutdown_tells_every_layer() -> None:
+    """``on_shutdown`` runs on each worker of a graceful shutdown, not on an abrupt stop."""
+    log: list[str] = []
+
+    class Shutdown(RpcLayer):
+        name: ClassVar[str] = "shutdown-probe"
+
+        def on_shutdown(self, agent: RpcAgent) -> None:
+            log.append(agent.worker_info.name)
+
+    register_layer(Shutdown())
+    with open_world(2):
+        pass
+    assert sorted(log) == ["worker0", "worker1"]
+    with pytest.raises(ValueError), open_world(2):  # (an error in the block: stopped abruptly)
+        raise ValueError("abrupt")
+    assert len(log) == 2
+
+
 def test_a_layer_that_fails_to_start_fails_the_start_clearly() -> None:
     """``on_agent_start`` raising fails the start with an error naming the layer."""
 
