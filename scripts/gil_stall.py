@@ -71,11 +71,19 @@ def _worker(rank: int, args: argparse.Namespace, port: int, start_at: float, que
         rpc_timeout=30,
     )
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    from distgrad._rpc._layer import RpcLayer, register_layer
+
     agent = rpc._get_current_rpc_agent()
+
     deaths: list[tuple[float, int, str]] = []
-    agent.peer_failure_listeners.append(
-        lambda peer, error: deaths.append((time.monotonic(), peer, str(error)))
-    )
+
+    class _Deaths(RpcLayer):  # hears of every peer the agent gives up
+        name = "gil_stall.deaths"
+
+        def on_peer_failure(self, agent: Any, worker: int, error: Exception) -> None:
+            deaths.append((time.monotonic(), worker, str(error)))
+
+    register_layer(_Deaths())
     for dst in range(world):  # every connection, both directions
         rpc.rpc_sync(f"worker{dst}", _noop)
     big = _calibrated_list(args.seconds) if rank == 1 and args.mode == "pickle" else None

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
+from distgrad._transport._accepting import _MAX_PENDING_HANDSHAKES
 from distgrad._transport._handshake import MAGIC, PROTOCOL_VERSION, client_handshake
 from distgrad._transport._memory import MemoryProbe
 from distgrad._transport._memory import available as memory_reads_available
-from distgrad._transport._transport import _MAX_PENDING_HANDSHAKES
 from distgrad._wire._frames import (
     FLAG_BY_REFERENCE,
     HEADER,

@@ -1,7 +1,7 @@
 """Forward recording: which messages get send/recv functions (the reference's
 ``getMessageWithAutograd`` / ``addSendRpcBackward`` / ``addRecvRpcBackward``, SPEC 2.3).
 
-Installed into the RPC layer as its call extension. A message is *wrapped* -- its ``ext`` is
+Distributed autograd's call-recording hooks (``_layer``). A message is *wrapped* -- its ``ext`` is
 a ``CallRecord(context_id, message_id, from_worker)`` -- when the sending thread has a current
 context and either a tensor in it requires grad (under grad mode) or the call kind forces it
 (Python functions, ``remote``, ``to_here``). A wrapped message adds its destination to the
@@ -16,9 +16,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .._rpc._extension import CallRecord
+from .._rpc._layer import CallRecord, RpcLayer
 from ._context import CONTAINER, DistAutogradContext
-from ._engine import install
 from ._functions import SendRecord, attach_recv, attach_send
 
 __all__ = ["AutogradRecording"]
@@ -53,8 +52,6 @@ def _wrap(
 
 def _attach(ext: CallRecord, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     context_id, msg_id, from_worker = ext
-    if not CONTAINER.has_context(context_id):
-        install()  # (the engine learns of lost peers: passes and orphaned contexts)
     ctx = CONTAINER.get_or_create_context(context_id)
     if tensors and _requires_grad(tensors):
         positions = [i for i, t in enumerate(tensors) if t.requires_grad]
@@ -66,8 +63,8 @@ def _attach(ext: CallRecord, tensors: list[torch.Tensor]) -> tuple[list[torch.Te
     return tensors, int(context_id)
 
 
-class AutogradRecording:
-    """The RPC call extension of distributed autograd."""
+class AutogradRecording(RpcLayer):
+    """Distributed autograd's hooks on the call path (the call-recording role)."""
 
     def active(self) -> bool:
         return CONTAINER.current_context_id() != -1

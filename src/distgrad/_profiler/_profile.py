@@ -11,7 +11,7 @@ import torch
 
 from .._rpc._agent import current_agent
 from ._clock import OFFSETS
-from ._torch_hooks import session_of, time_base_ns
+from ._torch_hooks import install, session_of, time_base_ns
 from ._trace import build_trace, write_trace
 
 __all__ = ["clock_offsets", "export_chrome_trace", "profile"]
@@ -75,6 +75,7 @@ class profile:
     """
 
     def __init__(self, *, use_kineto: bool = True, **kwargs: Any) -> None:
+        install()  # (before torch's profile starts: its methods carry the remote events)
         self.use_kineto = use_kineto
         self.torch_profiler: Any
         if use_kineto:

@@ -1,8 +1,8 @@
 """Remote events in torch's own profilers' results.
 
-torch offers no public way to add events to a profile, so distgrad wraps four methods of
-torch's profiler classes (once, when ``distgrad.profiler`` is imported -- ``distgrad.rpc``
-imports it):
+torch offers no public way to add events to a profile, so distgrad wraps five methods of
+torch's profiler classes -- once, when profiling can first be used: an RPC agent starts, or a
+``distgrad.profiler.profile`` is made (importing distgrad patches nothing in torch):
 
 * starting a profile (``torch.autograd.profiler.profile._start_trace``, which
   ``torch.profiler.profile`` also uses, and ``profiler_legacy.profile._start_trace``) opens a

@@ -32,7 +32,9 @@ a worker thread otherwise. The distributed backward engine uses both for its gra
 
 A request carries ``(func, args, kwargs)`` and a response the result; tensors travel in the
 message's tensor table, together with an ``ext`` object that belongs to the layer above (see
-``_extension``: distributed autograd attaches its metadata there).
+``_layer``: distributed autograd, the layer that records calls, attaches its metadata there).
+The layers above hear of the agent's start, of lost peers and of a graceful shutdown through
+the same protocol.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from .._transport._base import (
 )
 from .._transport._io import IoThread
 from .._wire._frames import Frame, Kind
+from . import _layer
 from ._call_table import CallTable
 from ._codec import Codec
 from ._current import bind_thread, current_agent, set_current_agent, thread_binding
@@ -129,9 +132,6 @@ class RpcAgent(Outgoing, Serving):
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
-        self.shutdown_hooks: list[Callable[[], None]] = []
-        #: called (on a callback thread) with the rank and error of every peer found dead
-        self.peer_failure_listeners: list[Callable[[int, Exception], None]] = []
         self.rrefs = RRefContext(self)
         self._codec = Codec(options, self._by_rank, self._label)
         self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
@@ -161,6 +161,7 @@ class RpcAgent(Outgoing, Serving):
             incarnation=self.incarnation,
             dynamic=self.dynamic,
         )
+        _layer.agent_starting(self)
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
         self._transport = self._transport_factory(config, self._io, self, self._label)
@@ -219,8 +220,7 @@ class RpcAgent(Outgoing, Serving):
             f"worker {info.name} (rank {rank})",
         )
         self.transport.remove_peer(rank, error)
-        for listener in list(self.peer_failure_listeners):
-            self._callbacks.submit(listener, rank, error)
+        self._callbacks.submit(_layer.peer_failed, self, rank, error)
         self._membership_event("left", info, incarnation)
 
     def _membership_event(self, kind: MembershipKind, info: WorkerInfo, incarnation: int) -> None:
@@ -354,8 +354,7 @@ class RpcAgent(Outgoing, Serving):
     def on_connection_lost(self, conn: Link, error: Exception, *, peer_dead: bool) -> None:
         self._fail_calls_on(conn, error)
         if peer_dead:
-            for listener in list(self.peer_failure_listeners):
-                self._callbacks.submit(listener, conn.peer, error)
+            self._callbacks.submit(_layer.peer_failed, self, conn.peer, error)
 
     # -- shutdown --------------------------------------------------------------------------------
     def stop(self, *, graceful: bool) -> None:

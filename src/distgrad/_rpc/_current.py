@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._agent import RpcAgent
 
-__all__ = ["bind_thread", "current_agent", "set_current_agent", "thread_binding"]
+__all__ = ["bind_thread", "current_agent", "require_agent", "set_current_agent", "thread_binding"]
 
 _current: RpcAgent | None = None
 
@@ -40,3 +40,13 @@ def set_current_agent(agent: RpcAgent | None) -> None:
     """Make ``agent`` the process's agent (``init_rpc``; ``None`` at shutdown)."""
     global _current
     _current = agent
+
+
+def require_agent() -> RpcAgent:
+    """The calling thread's agent, or torch's error when RPC is not initialized."""
+    agent = current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+        )
+    return agent

@@ -1,8 +1,8 @@
 """The hook through which profiling (layer 5) rides along with calls.
 
-``distgrad.profiler`` implements :class:`CallProfiler` and installs it with
-:func:`set_profiler`; the RPC layer never imports it. The call path pays one check,
-:func:`wants`: is a profiler installed *and* is torch's profiler enabled on this thread
+``distgrad.profiler`` registers an :class:`~._layer.RpcLayer` that profiles calls
+(``profiles_calls``); the RPC layer never imports it. The call path pays one check,
+:func:`wants`: is such a layer registered *and* is torch's profiler enabled on this thread
 (``torch.autograd._profiler_enabled()``, a C call of about 0.1 us). When it is not, nothing
 else happens: no ``record_function``, no extra pickling, the request carries no profiling flag.
 
@@ -24,26 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from . import _layer
 from ._functions import async_execution
+from ._layer import RpcLayer
 from ._messages import message_type
 from ._worker_info import WorkerInfo
 
-__all__ = [
-    "CallProfiler",
-    "KeyScope",
-    "call_async",
-    "call_sync",
-    "get_profiler",
-    "key_scope",
-    "serve",
-    "serve_async",
-    "set_profiler",
-    "wants",
-]
+__all__ = ["KeyScope", "call_async", "call_sync", "key_scope", "serve", "serve_async", "wants"]
 
 _autograd: Any = torch.autograd
 _profiler_enabled: Callable[[], bool] = _autograd._profiler_enabled
@@ -62,73 +53,21 @@ class KeyScope(AbstractContextManager["KeyScope"]):
 _NO_SCOPE = KeyScope()
 
 
-class CallProfiler(Protocol):
-    def call_sync(
-        self,
-        send: Callable[..., Any],
-        me: WorkerInfo,
-        dst: WorkerInfo,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-        force: bool,
-        internal: bool,
-    ) -> Any:
-        """Caller thread: make the call through ``send`` (the agent's ``call_sync``), profiled."""
-
-    def call_async(
-        self,
-        send: Callable[..., torch.futures.Future[Any]],
-        me: WorkerInfo,
-        dst: WorkerInfo,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float,
-        force: bool,
-        internal: bool,
-    ) -> torch.futures.Future[Any]:
-        """Caller thread: as :meth:`call_sync`, through the agent's ``call_async``."""
-
-    def serve(self, request: Any, func: Any, args: Any, kwargs: Any) -> Any:
-        """Callee: run ``func`` profiled; return ``(result, remote profile)``."""
-
-    def serve_async(
-        self, request: Any, func: Any, args: Any, kwargs: Any
-    ) -> torch.futures.Future[Any]:
-        """Callee: as :meth:`serve` for an ``@async_execution`` function."""
-
-    def key_scope(self, kind: str, func: Any, me: WorkerInfo, dst: WorkerInfo) -> KeyScope:
-        """Caller thread: a range named for ``kind`` that the next call on this thread uses."""
-
-
-_profiler: CallProfiler | None = None
-
-
-def set_profiler(profiler: CallProfiler | None) -> None:
-    global _profiler
-    _profiler = profiler
-
-
-def get_profiler() -> CallProfiler | None:
-    return _profiler
-
-
 def wants(func: object) -> bool:
     """The one check on the call path: should this call be profiled?"""
     return (
-        _profiler is not None
+        _layer._profiler is not None  # (the registry's field: no call on the call path)
         and _profiler_enabled()
         and func is not serve
         and func is not serve_async
     )
 
 
-def _require() -> CallProfiler:
-    if _profiler is None:  # a profiled request reached a worker without distgrad.profiler
+def _require() -> RpcLayer:
+    profiler = _layer.call_profiler()
+    if profiler is None:  # a profiled request reached a worker without distgrad.profiler
         raise RuntimeError("distgrad.profiler is not installed on this worker")
-    return _profiler
+    return profiler
 
 
 def _profiled_type(args: tuple[Any, ...]) -> tuple[str, object]:
@@ -152,9 +91,10 @@ def key_scope(kind: str, func: Any, me: WorkerInfo, dst: WorkerInfo) -> KeyScope
     """A ``rpc_{kind}#...`` range for a call made by an API above the agent (``remote``):
     inside it, the next profiled call on this thread is recorded under that key instead of
     its own. A no-op object when not profiling (one check)."""
-    if _profiler is None or not _profiler_enabled():
+    profiler = _layer.call_profiler()
+    if profiler is None or not _profiler_enabled():
         return _NO_SCOPE
-    return _profiler.key_scope(kind, func, me, dst)
+    return profiler.key_scope(kind, func, me, dst)
 
 
 def call_sync(

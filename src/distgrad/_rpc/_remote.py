@@ -19,8 +19,9 @@ from ._calls import is_builtin, set_future_error
 from ._functions import async_execution
 from ._messages import is_script, message_type
 from ._remote_error import report_udf_error
-from ._rref import RRef, _agent_or_raise, _done_future
+from ._rref import RRef
 from ._rref_context import OwnerValue, RemoteCreation
+from ._rref_owner import _agent_or_raise, _done_future
 from ._worker_info import WorkerInfo
 
 __all__ = ["create_remote"]

@@ -2,72 +2,53 @@
 
 An :class:`RRef` is either the *owner's* handle (it holds an :class:`OwnerValue`) or a *user's*
 (ids only). Users become owners' handles and vice versa only through RPC pickling: sending an
-RRef in a call's arguments or result forks it (``_reduce_rref`` on the sender, ``_rebuild_rref``
-on the receiver), following the reference's protocol (``_rref_context`` explains the tables).
+RRef in a call's arguments or result forks it (``_rref_fork``: ``_reduce_rref`` on the
+sender, ``_rebuild_rref`` on the receiver), following the reference's protocol
+(``_rref_context`` explains the tables).
 
 What runs where: ``remote()`` sends ``_remote_exec`` to the owner, which creates the value and
-registers the caller's fork before it replies; ``to_here()`` sends ``_rref_fetch``, answered
-when the value is set. Both ride on ordinary calls, so distributed autograd records them as the
-reference does (forced for Python functions, ``remote`` and ``to_here``). Protocol messages
-(fork requests, child accepts, deletes) are internal calls, retried, never recorded.
+registers the caller's fork before it replies; ``to_here()`` sends ``_rref_fetch``
+(``_rref_owner`` holds the owner's handlers), answered when the value is set. Both ride on
+ordinary calls, so distributed autograd records them as the reference does (forced for Python
+functions, ``remote`` and ``to_here``). Protocol messages (fork requests, child accepts,
+deletes) are internal calls, retried, never recorded.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from .._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
 from .._wire._pickler import register_reducer
-from ._agent import RpcAgent, current_agent
+from ._agent import current_agent
 from ._calls import fresh_copy
-from ._functions import async_execution
-from ._messages import message_type
 from ._rref_context import (
     RREF_TIMED_OUT,
     GloballyUniqueId,
     OwnerValue,
     RRefContext,
 )
+from ._rref_fork import _reduce_rref
+from ._rref_owner import (
+    _agent_or_raise,
+    _owner_backward,
+    _rref_backward_on_owner,
+    _rref_fetch,
+    _rref_typeof_on_owner,
+    _script_rref_fetch,
+    _wait_blocking,
+)
 from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from ._rref_proxy import RRefProxy
 
-__all__ = ["RRef", "set_dist_backward"]
+__all__ = ["RRef"]
 
 T = TypeVar("T")
-
-_NO_AGENT = (
-    "Current RPC agent is not set! Did you initialize the RPC framework "
-    "(e.g. by calling `rpc.init_rpc`)?"
-)
-
-#: ``dist_autograd.backward``, installed by the autograd layer (RPC never imports it).
-_dist_backward: Callable[[int, list[torch.Tensor], bool], None] | None = None
-
-
-def set_dist_backward(backward: Callable[[int, list[torch.Tensor], bool], None]) -> None:
-    global _dist_backward
-    _dist_backward = backward
-
-
-def _agent_or_raise() -> RpcAgent:
-    agent = current_agent()
-    if agent is None:
-        raise RuntimeError(_NO_AGENT)
-    return agent
-
-
-def _wait_blocking(agent: RpcAgent, value: OwnerValue) -> Any:
-    """Wait for an owner value; a worker thread frees its pool slot meanwhile."""
-    if value.done():
-        return value.result()
-    with agent.blocking():
-        return value.wait()
 
 
 class RRef(Generic[T]):
@@ -489,101 +470,4 @@ class RRef(Generic[T]):
         )
 
 
-def _owner_backward(value: Any, context_id: int, retain_graph: bool) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise RuntimeError("RRef should contain a tensor for .backward()")
-    if context_id == -1:
-        torch.autograd.backward([value], retain_graph=retain_graph)
-        return
-    if _dist_backward is None:
-        raise RuntimeError("distributed autograd is not available (import distgrad.autograd)")
-    _dist_backward(context_id, [value], retain_graph)
-
-
-# -- pickling through RPC (forks) --------------------------------------------------------------
-ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int, bool]
-
-
-def _reduce_rref(rref: RRef[Any]) -> tuple[Any, ForkData]:
-    """Sender side of a fork (the reference's ``prepareChildFork``)."""
-    ctx = rref._ctx
-    if ctx.destroyed:
-        raise RuntimeError(f"{rref} belongs to an RPC agent that was shut down")
-    if rref._deleted:
-        raise RuntimeError(f"{rref} has been deleted. Cannot call fork an UserRRef after deletion.")
-    rref._check_usable()
-    fork_id = ctx.new_id()
-    if rref._value is not None:  # the owner: register the fork at once
-        ctx.keep_owner(rref._rref_id, rref._value)
-        ctx.add_fork(rref._rref_id, fork_id)
-    else:  # a user: stay alive until the owner knows the child
-        ctx.add_pending_child(fork_id, rref)
-    return _rebuild_rref, (rref._owner.id, rref._rref_id, fork_id, ctx.worker_id, rref._script)
-
-
-def _rebuild_rref(
-    owner: int,
-    rref_id: GloballyUniqueId,
-    fork_id: GloballyUniqueId,
-    parent: int,
-    script: bool = False,
-) -> RRef[Any]:
-    """Receiver side of a fork."""
-    agent = _agent_or_raise()
-    ctx = agent.rrefs
-    if owner == ctx.worker_id:  # back at the owner: the one OwnerRRef
-        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, ctx.get_or_create_owner(rref_id))
-        if parent == owner:  # sent to itself: the fork registered when pickling is not a user
-            ctx.del_forks([(rref_id, fork_id)])
-        else:  # no user holds this fork id; its parent may let go
-            ctx.accept_child(parent, fork_id)
-        return rref
-    rref = RRef._new_user(ctx, rref_id, fork_id, agent.get_worker_info(owner))
-    rref._script = script
-    if parent == owner:  # the owner registered the fork before sending it
-        rref._settle(None)
-        ctx.add_confirmed_user(rref)
-    else:
-        ctx.request_fork(rref, parent)
-        ctx.collect(rref)
-    return rref
-
-
 register_reducer(RRef, _reduce_rref)
-
-
-# -- handlers (run on the owner) ---------------------------------------------------------------
-def _owner_value(rref_id: GloballyUniqueId) -> OwnerValue:
-    return _agent_or_raise().rrefs.get_or_create_owner(rref_id)
-
-
-def _done_future() -> torch.futures.Future[None]:
-    future: torch.futures.Future[None] = torch.futures.Future()
-    future.set_result(None)
-    return future
-
-
-@message_type("PYTHON_RREF_FETCH_CALL")
-@async_execution
-def _rref_fetch(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
-    """``to_here()``: the value, once it is set."""
-    return _owner_value(rref_id).as_future()
-
-
-@message_type("SCRIPT_RREF_FETCH_CALL")
-@async_execution
-def _script_rref_fetch(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
-    """``to_here()`` of an RRef a builtin or TorchScript function created (torch names that
-    fetch differently)."""
-    return _owner_value(rref_id).as_future()
-
-
-@async_execution
-def _rref_typeof_on_owner(rref_id: GloballyUniqueId) -> torch.futures.Future[Any]:
-    return _owner_value(rref_id).as_future(type)
-
-
-@message_type("RREF_BACKWARD_REQ")
-def _rref_backward_on_owner(rref_id: GloballyUniqueId, context_id: int, retain_graph: bool) -> None:
-    agent = _agent_or_raise()
-    _owner_backward(_wait_blocking(agent, _owner_value(rref_id)), context_id, retain_graph)

@@ -163,8 +163,6 @@ class World:
         agent = RpcAgent(name, rank, 0, options, transport=factory, isolated=True, dynamic=True)
         previous = bind_thread(agent)
         try:
-            for hook in _api.init_hooks:
-                hook(rank)
             address = agent.start_transport(_SECRET, "memory")
         finally:
             bind_thread(previous)
@@ -275,8 +273,6 @@ def open_world(
             agents.append(agent)
             previous = bind_thread(agent)
             try:
-                for hook in _api.init_hooks:
-                    hook(rank)
                 addresses[rank] = agent.start_transport(_SECRET, "memory")
             finally:
                 bind_thread(previous)

@@ -1,4 +1,6 @@
 """The transport: listeners, connections to every peer, heartbeats and peer-failure detection.
+(Dialing a peer is ``_dialing``'s, accepting connections ``_accepting``'s, the connection to
+the worker itself ``_loopback``'s.)
 
 Each worker listens on TCP (for other hosts) and on an abstract Unix-domain socket (for
 workers on the same host and network namespace, which is faster). A worker opens its own
@@ -26,42 +28,31 @@ the calls waiting on it fail, but the peer is not even suspected.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
-import pickle
 import socket
-import ssl
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 
 from .._errors import (
-    DistgradError,
-    HandshakeError,
     PeerFailureError,
     ProtocolError,
     RpcShutdownError,
 )
-from .._wire._frames import HEADER, Frame, Kind, encode_frame
-from .._wire._pickler import allocate_buffer
+from .._wire._frames import Frame, Kind, encode_frame
+from ._accepting import Accepting
 from ._base import (
     FrameHandler,
-    MessageInfo,
     PeerAddress,
     TransportConfig,
     TransportStatistics,
 )
-from ._connection import Connection, Piece
-from ._handshake import (
-    PeerClosedHandshake,
-    client_handshake,
-    server_accept,
-    tls_server_handshake,
-    wait_readable,
-)
+from ._connection import Connection
+from ._dialing import Dialing
 from ._io import IoThread
+from ._loopback import LoopbackConnection
 
 __all__ = [
     "LoopbackConnection",
@@ -73,26 +64,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger("distgrad.transport")
-_MAX_PENDING_HANDSHAKES = 128
-_SOCKET_BUFFER = 4 * 1024 * 1024
-# The one connect error that proves a peer gone: a refusal (nothing listens at its address;
-# after the rendezvous every worker listens until it shuts down). Anything else -- a full
-# accept backlog (EAGAIN on a Unix socket, which a flooding local process can cause), a
-# timeout, an unreachable network -- fails the call that was connecting, never the peer.
-_REFUSED = frozenset({errno.ECONNREFUSED})
-# After a connect to a suspected peer failed without proof, calls within this long fail at once
-_RETRY_AFTER = 0.5
 # A heartbeat tick later than this (and than one interval) means this process stalled
 _STALL = 0.5
-# Connect errors that say nothing about the peer; retried after these pauses.
-_TRANSIENT_CONNECT_ERRORS = frozenset(
-    {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
-)
-_CONNECT_RETRY_DELAYS = (0.05, 0.2, 0.5)
-_HANDSHAKE_RETRY_DELAYS = (0.1, 0.25, 0.5, 1.0)
-# Connections accepted per wake-up of the I/O loop at most (the listen backlog): enough to
-# drain a full backlog, so a flood does not keep it full for the peers behind it.
-_ACCEPTS_PER_WAKEUP = 512
 
 
 def host_identity() -> str:
@@ -109,64 +82,7 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}/{netns}"
 
 
-class LoopbackConnection:
-    """A connection to this very worker: frames are handed over with their buffers copied,
-    exactly as if they had crossed a socket (RPC to self is a real RPC)."""
-
-    closed = False
-
-    def broken_error(self) -> RpcShutdownError:
-        return RpcShutdownError("RPC agent is shut down")
-
-    def close(self, error: Exception | None = None) -> None:
-        self.closed = True
-
-    def __init__(self, transport: SocketTransport, rank: int, label: str) -> None:
-        self.peer = rank
-        self.peer_label = label
-        self._transport = transport
-
-    def send_frame(
-        self,
-        kind: int,
-        message_id: int,
-        meta: bytes,
-        buffers: list[pickle.PickleBuffer] | None = None,
-        flags: int = 0,
-        *,
-        info: MessageInfo | None = None,
-    ) -> None:
-        self.send(encode_frame(kind, message_id, meta, buffers, flags))
-
-    def send_frame_later(
-        self,
-        kind: int,
-        message_id: int,
-        meta: bytes,
-        buffers: list[pickle.PickleBuffer] | None = None,
-        flags: int = 0,
-        *,
-        info: MessageInfo | None = None,
-    ) -> None:
-        # nothing to save on a loopback: delivered now
-        self.send(encode_frame(kind, message_id, meta, buffers, flags))
-
-    def send(self, pieces: list[Piece]) -> None:
-        if self.closed:
-            raise self.broken_error()
-        head = pieces[0]
-        kind, flags, nbuf, meta_len, message_id = HEADER.unpack_from(head)
-        start = HEADER.size + 8 * nbuf
-        meta = bytes(memoryview(head)[start : start + meta_len])
-        buffers = []
-        for piece in pieces[1:]:
-            copy = allocate_buffer(len(piece))
-            copy[:] = piece
-            buffers.append(copy)
-        self._transport.deliver(self, Frame(kind, message_id, meta, buffers, flags))
-
-
-class SocketTransport:
+class SocketTransport(Accepting, Dialing):
     """Connections to the peers of one worker over sockets; owned and closed by the RPC agent
     (the real implementation of the contract in ``_base``)."""
 
@@ -340,213 +256,6 @@ class SocketTransport:
             self._out[rank] = conn
             return conn
 
-    def _dial(self, addr: PeerAddress, local: bool, timeout: float) -> tuple[socket.socket, bool]:
-        """Connect, retrying errors that say nothing about the peer being gone; return the
-        socket and whether it is the Unix one. A Unix socket whose backlog stays full (a local
-        process flooding it, or a peer slow to accept) is given up for TCP, which has its own."""
-        try:
-            return self._dial_retrying(addr, local, timeout), local
-        except OSError as exc:
-            if not local or exc.errno not in _TRANSIENT_CONNECT_ERRORS:
-                raise
-        return self._dial_retrying(addr, False, timeout), False
-
-    def _dial_retrying(self, addr: PeerAddress, local: bool, timeout: float) -> socket.socket:
-        for delay in _CONNECT_RETRY_DELAYS:
-            try:
-                return self._dial_once(addr, local, timeout)
-            except OSError as exc:
-                if exc.errno not in _TRANSIENT_CONNECT_ERRORS:
-                    raise
-                time.sleep(delay)  # e.g. a full accept backlog
-        return self._dial_once(addr, local, timeout)
-
-    def _dial_once(self, addr: PeerAddress, local: bool, timeout: float) -> socket.socket:
-        if local:
-            assert addr.unix is not None
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(addr.unix)
-            except OSError:
-                sock.close()
-                raise
-            return sock
-        sock = socket.create_connection((addr.host, addr.port), timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    def _open(self, rank: int) -> Connection:
-        addr = self._peers.get(rank)
-        label = self._label(rank)
-        if addr is None:
-            raise PeerFailureError(f"no address known for {label}", label)
-        cfg = self.config
-        local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
-        # a suspected peer may be frozen or cut off: do not wait longer than its silence took
-        suspected = rank in self._suspected
-        connect_timeout = cfg.connect_timeout
-        handshake_timeout = cfg.handshake_timeout
-        if suspected:
-            connect_timeout = min(connect_timeout, cfg.peer_timeout)
-            handshake_timeout = min(handshake_timeout, cfg.peer_timeout)
-        # A handshake the peer cut short is retried after these pauses: under load (a flood, many
-        # peers connecting at once) a worker closes connections it has no handshake slot for.
-        tls_mismatch = (cfg.client_ssl is not None) != addr.tls
-        if tls_mismatch and not local:  # it would fail, and say less
-            raise HandshakeError(_tls_mismatch(label, cfg.client_ssl is not None))
-        for attempt, delay in enumerate((*_HANDSHAKE_RETRY_DELAYS, None), 1):
-            sock, tcp = self._dial_peer(rank, addr, local, label, connect_timeout)
-            if tcp and tls_mismatch:  # over TCP after all (a flooded Unix socket)
-                sock.close()
-                raise HandshakeError(_tls_mismatch(label, cfg.client_ssl is not None))
-            try:
-                _tune(sock)
-                if tcp and cfg.client_ssl is not None:
-                    sock = cfg.client_ssl.wrap_socket(sock, server_hostname=addr.host)
-                sock.settimeout(handshake_timeout)
-                incarnation = client_handshake(sock, cfg.secret, cfg.rank, rank, cfg.incarnation)
-                sock.setblocking(False)
-                break
-            except (OSError, HandshakeError) as exc:
-                sock.close()
-                cut_short = isinstance(exc, (PeerClosedHandshake, ConnectionError, ssl.SSLEOFError))
-                if cut_short and delay is not None:
-                    time.sleep(delay)
-                    continue
-                failure = _handshake_failure(label, exc, attempt if cut_short else 0)
-                if suspected and isinstance(failure, PeerFailureError):
-                    # (a frozen peer: its kernel accepts the connection, the process is silent)
-                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
-                raise failure from exc
-        if not self.note_incarnation(rank, incarnation):
-            sock.close()
-            raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
-        self._suspected.pop(rank, None)  # back: it answered a fresh handshake
-        self._unreachable.pop(rank, None)
-        conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
-        conn.incarnation = incarnation
-        self._conns.add(conn)
-        self._opened += 1
-        self._io.call_soon(conn.start)
-        return conn
-
-    def _dial_peer(
-        self, rank: int, addr: PeerAddress, local: bool, label: str, timeout: float
-    ) -> tuple[socket.socket, bool]:
-        """A connected socket to ``rank`` and whether it is TCP; a refusal condemns the peer."""
-        try:
-            sock, local = self._dial(addr, local, timeout)
-        except OSError as exc:
-            if exc.errno in _REFUSED:  # proof: nothing listens there any more
-                error = PeerFailureError(f"could not connect to {label}: {exc}", label)
-                self._dead.setdefault(rank, error)
-            else:  # says nothing about the peer: this call fails, the next one tries again
-                error = PeerFailureError(
-                    f"could not connect to {label}: {exc} (not presumed dead: a later call "
-                    "connects again)",
-                    label,
-                )
-                if rank in self._suspected:
-                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, error)
-            raise error from exc
-        return sock, not local
-
-    # -- incoming --------------------------------------------------------------------------------
-    def _on_accept(self, listener: socket.socket) -> None:
-        for _ in range(_ACCEPTS_PER_WAKEUP):
-            try:
-                sock, _addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                _log.warning("accept failed: %s", exc)
-                return
-            if self._closing:
-                sock.close()
-                continue
-            sock.setblocking(False)
-            # Every handshake slot taken: a connection whose first bytes have arrived takes the
-            # slot of the oldest one that has said nothing yet (so a flood of silent
-            # connections cannot keep peers out); any other is closed at once.
-            if len(self._handshakes) >= _MAX_PENDING_HANDSHAKES and not (
-                _has_spoken(sock) and self._shed_silent()
-            ):
-                sock.close()
-                continue
-            is_tcp = sock.family != getattr(socket, "AF_UNIX", None)
-            if is_tcp:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _tune(sock)
-            task = self._io.loop.create_task(self._handshake(sock, is_tcp))
-            self._handshakes.add(task)
-            self._silent[task] = sock
-            task.add_done_callback(self._handshakes.discard)
-
-    def _shed_silent(self) -> bool:
-        """End the oldest pending handshake whose peer has sent nothing (its task sees EOF
-        and drops it quietly); False if there is none."""
-        while self._silent:
-            task, sock = next(iter(self._silent.items()))
-            del self._silent[task]
-            if not _has_spoken(sock):  # (a task not started yet may have bytes waiting)
-                self._shed.add(task)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                return True
-        return False
-
-    async def _handshake(self, sock: socket.socket, is_tcp: bool) -> None:
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        try:
-            peer = _peer_name(sock)
-            started = loop.time()
-            try:  # the peer's first bytes: until then, a full table may shed this connection
-                await asyncio.wait_for(wait_readable(loop, sock), cfg.handshake_timeout)
-            finally:
-                self._silent.pop(task, None)
-            if task in self._shed:
-                self._shed.discard(task)
-                sock.close()
-                return
-            left = max(0.0, cfg.handshake_timeout - (loop.time() - started))
-            if cfg.server_ssl is not None and is_tcp:
-                sock = cfg.server_ssl.wrap_socket(
-                    sock, server_side=True, do_handshake_on_connect=False
-                )
-                await asyncio.wait_for(tls_server_handshake(loop, sock), left)
-                left = cfg.handshake_timeout
-            rank, incarnation = await asyncio.wait_for(
-                server_accept(
-                    loop,
-                    sock,
-                    cfg.secret,
-                    cfg.rank,
-                    0 if cfg.dynamic else cfg.world_size,
-                    cfg.incarnation,
-                ),
-                left,
-            )
-        except (HandshakeError, OSError, asyncio.TimeoutError) as exc:
-            self._failed_handshakes += 1
-            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc)
-            _log.warning("rejected a connection from %s: handshake %s", peer, reason)
-            sock.close()
-            return
-        if self._closing or not self.note_incarnation(rank, incarnation):
-            sock.close()  # (a replaced incarnation: nothing of it is delivered)
-            return
-        conn = Connection(self, self._io, sock, rank, self._label(rank), cfg.max_message_size)
-        conn.incarnation = incarnation
-        self._conns.add(conn)
-        self._accepted += 1
-        conn.start()
-
     # -- callbacks from connections ---------------------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
         if conn.incarnation and not self.is_current(conn):
@@ -680,63 +389,3 @@ class SocketTransport:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _tune(sock: socket.socket) -> None:
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
-        except OSError:
-            pass
-
-
-def _tls_mismatch(label: str, tls_here: bool) -> str:
-    where, not_where = ("this worker", label) if tls_here else (label, "this worker")
-    return (
-        f"cannot connect to {label}: TLS is configured on {where} but not on {not_where} "
-        "(TensorPipeRpcBackendOptions(server_ssl_context=..., client_ssl_context=...) must be "
-        "set on every worker, or on none)"
-    )
-
-
-def _handshake_failure(label: str, exc: BaseException, attempts: int) -> DistgradError:
-    """The error of a handshake that failed for good. ``attempts``: how often the peer cut
-    it short (0: it failed otherwise)."""
-    if attempts:
-        return HandshakeError(
-            f"handshake with {label} failed: the peer closed the connection during the "
-            f"handshake, {attempts} times ({exc}). It is refusing handshakes under load (a "
-            "connection flood? many workers connecting at once?) or shutting down: retry the "
-            "call. (TLS configured on one side only, or a different cluster secret, would be "
-            "reported as such.)"
-        )
-    if isinstance(exc, HandshakeError):
-        return HandshakeError(f"handshake with {label} failed: {exc}")
-    if isinstance(exc, ssl.SSLError):
-        return HandshakeError(
-            f"TLS handshake with {label} failed: {exc} (check the TLS contexts: the CA, the "
-            "certificates, and that the server's certificate names the address it listens on)"
-        )
-    if isinstance(exc, TimeoutError):
-        return PeerFailureError(
-            f"handshake with {label} timed out: it did not answer within the handshake "
-            "timeout (stalled or overloaded?); not presumed dead: a later call connects again",
-            label,
-        )
-    return PeerFailureError(f"handshake with {label} failed: {exc}", label)
-
-
-def _has_spoken(sock: socket.socket) -> bool:
-    """Whether bytes from the peer wait on the (non-blocking) socket."""
-    try:
-        return bool(sock.recv(1, socket.MSG_PEEK))
-    except OSError:  # BlockingIOError: nothing yet
-        return False
-
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        name = sock.getpeername()
-    except OSError:
-        return "?"
-    return "a local process" if isinstance(name, (str, bytes)) else f"{name[0]}:{name[1]}"

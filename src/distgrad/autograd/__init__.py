@@ -1,24 +1,20 @@
 """Drop-in replacement for ``torch.distributed.autograd``:
 ``import distgrad.autograd as dist_autograd``.
 
-Importing this module installs distributed autograd into distgrad's RPC layer (forward
-recording of send/recv functions, the backward engine, context cleanup).
+Importing this module registers distributed autograd as a layer of distgrad's RPC layer
+(forward recording of send/recv functions, the backward engine, context cleanup).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._autograd import _cleanup, _context, _engine
+from .._autograd import _context, _engine
 from .._autograd._cleanup import after_release
 from .._autograd._context import CONTAINER, DistAutogradContext, context
 from .._autograd._engine import BackwardError
-from .._autograd._recording import AutogradRecording
-from .._rpc import _api as _rpc_api
-from .._rpc._agent import current_agent
-from .._rpc._extension import set_extension
-from .._rpc._messages import register_message_type
-from .._rpc._rref import set_dist_backward
+from .._autograd._layer import AutogradLayer
+from .._rpc._layer import register_layer
 
 __all__ = ["BackwardError", "backward", "context", "get_gradients", "is_available"]
 
@@ -74,7 +70,6 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
             grads = dist_autograd.get_gradients(context_id)
             grads[t1]  # tensor of ones, shape (3, 3); t1.grad stays None
     """
-    _engine.install()
     _engine.backward(context_id, roots, retain_graph)
 
 
@@ -142,22 +137,8 @@ def _get_debug_info() -> dict[str, int]:
     return CONTAINER.debug_info()
 
 
-def _on_rpc_init(rank: int) -> None:
-    CONTAINER.init(rank)
-
-
-for _handler in (_engine._grad_message, _engine._start_message, _engine._late_grad_message):
-    register_message_type(_handler, "BACKWARD_AUTOGRAD_REQ")
-register_message_type(_cleanup._cleanup_message, "CLEANUP_AUTOGRAD_CONTEXT_REQ")
-set_extension(AutogradRecording())
-set_dist_backward(backward)  # RRef.backward(context_id) on the owner
 _context.on_release = after_release
-if _on_rpc_init not in _rpc_api.init_hooks:
-    _rpc_api.init_hooks.append(_on_rpc_init)
-_agent = current_agent()
-if _agent is not None:  # imported after init_rpc
-    CONTAINER.init(_agent.worker_info.id)
-    _engine.install()
+register_layer(AutogradLayer())  # (after init_rpc: started for the running agent at once)
 
 context.__module__ = __name__
 BackwardError.__module__ = __name__  # tracebacks show distgrad.autograd.BackwardError

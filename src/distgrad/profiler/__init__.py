@@ -7,14 +7,15 @@ the callee did for them comes back as ``{key}#remote_op: {name}`` events with th
 rank as ``node_id``. :class:`profile` wraps either profiler and writes one Chrome/Perfetto
 trace with a track per worker (:meth:`profile.export_chrome_trace`). See docs/profiling.md.
 
-Importing this module (``distgrad.rpc`` does) installs the profiling hook into the RPC layer
-and into torch's profiler classes.
+Importing this module (``distgrad.rpc`` does) registers profiling as a layer of the RPC
+layer; torch's profiler classes are wrapped only when profiling can first be used (an agent
+starts, or a :class:`profile` is made), so importing patches nothing in torch.
 """
 
 from __future__ import annotations
 
-from .._profiler._hook import install as _install
 from .._profiler._keys import RPCExecMode, build_rpc_profiling_key
+from .._profiler._layer import register as _register
 from .._profiler._profile import clock_offsets, export_chrome_trace, profile
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
 #: torch's name (``torch.distributed.rpc.internal._build_rpc_profiling_key``)
 _build_rpc_profiling_key = build_rpc_profiling_key
 
-_install()
+_register()
 
 for _obj in (RPCExecMode, profile):
     _obj.__module__ = __name__

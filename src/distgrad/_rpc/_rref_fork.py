@@ -1,0 +1,66 @@
+"""Sending an RRef through RPC forks it: the sender's side (``_reduce_rref``, the reference's
+``prepareChildFork``) and the receiver's (``_rebuild_rref``); ``_rref_context`` explains the
+tables they update."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._rref_context import (
+    GloballyUniqueId,
+)
+from ._rref_owner import _agent_or_raise
+
+if TYPE_CHECKING:
+    from ._rref import RRef
+
+
+# -- pickling through RPC (forks) --------------------------------------------------------------
+ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int, bool]
+
+
+def _reduce_rref(rref: RRef[Any]) -> tuple[Any, ForkData]:
+    """Sender side of a fork (the reference's ``prepareChildFork``)."""
+    ctx = rref._ctx
+    if ctx.destroyed:
+        raise RuntimeError(f"{rref} belongs to an RPC agent that was shut down")
+    if rref._deleted:
+        raise RuntimeError(f"{rref} has been deleted. Cannot call fork an UserRRef after deletion.")
+    rref._check_usable()
+    fork_id = ctx.new_id()
+    if rref._value is not None:  # the owner: register the fork at once
+        ctx.keep_owner(rref._rref_id, rref._value)
+        ctx.add_fork(rref._rref_id, fork_id)
+    else:  # a user: stay alive until the owner knows the child
+        ctx.add_pending_child(fork_id, rref)
+    return _rebuild_rref, (rref._owner.id, rref._rref_id, fork_id, ctx.worker_id, rref._script)
+
+
+def _rebuild_rref(
+    owner: int,
+    rref_id: GloballyUniqueId,
+    fork_id: GloballyUniqueId,
+    parent: int,
+    script: bool = False,
+) -> RRef[Any]:
+    """Receiver side of a fork."""
+    from ._rref import RRef  # (it imports this module)
+
+    agent = _agent_or_raise()
+    ctx = agent.rrefs
+    if owner == ctx.worker_id:  # back at the owner: the one OwnerRRef
+        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, ctx.get_or_create_owner(rref_id))
+        if parent == owner:  # sent to itself: the fork registered when pickling is not a user
+            ctx.del_forks([(rref_id, fork_id)])
+        else:  # no user holds this fork id; its parent may let go
+            ctx.accept_child(parent, fork_id)
+        return rref
+    rref = RRef._new_user(ctx, rref_id, fork_id, agent.get_worker_info(owner))
+    rref._script = script
+    if parent == owner:  # the owner registered the fork before sending it
+        rref._settle(None)
+        ctx.add_confirmed_user(rref)
+    else:
+        ctx.request_fork(rref, parent)
+        ctx.collect(rref)
+    return rref

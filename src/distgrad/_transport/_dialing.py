@@ -1,0 +1,214 @@
+"""The socket transport's outgoing side: dialing a peer (Unix socket or TCP, retrying what says
+nothing about the peer), TLS and the client handshake, and what a failure proves."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .._errors import DistgradError, HandshakeError, PeerFailureError
+from .._wire._frames import Frame
+from ._base import PeerAddress, TransportConfig
+from ._connection import Connection
+from ._handshake import PeerClosedHandshake, client_handshake
+from ._io import IoThread
+
+__all__ = ["Dialing"]
+
+_SOCKET_BUFFER = 4 * 1024 * 1024
+# The one connect error that proves a peer gone: a refusal (nothing listens at its address;
+# after the rendezvous every worker listens until it shuts down). Anything else -- a full
+# accept backlog (EAGAIN on a Unix socket, which a flooding local process can cause), a
+# timeout, an unreachable network -- fails the call that was connecting, never the peer.
+_REFUSED = frozenset({errno.ECONNREFUSED})
+# After a connect to a suspected peer failed without proof, calls within this long fail at once
+_RETRY_AFTER = 0.5
+# Connect errors that say nothing about the peer; retried after these pauses.
+_TRANSIENT_CONNECT_ERRORS = frozenset(
+    {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
+)
+_CONNECT_RETRY_DELAYS = (0.05, 0.2, 0.5)
+_HANDSHAKE_RETRY_DELAYS = (0.1, 0.25, 0.5, 1.0)
+
+
+class Dialing:
+    """:class:`~._transport.SocketTransport`'s connecting to its peers (a mixin)."""
+
+    config: TransportConfig
+    host_id: str
+    _io: IoThread
+    _label: Callable[[int], str]
+    _peers: dict[int, PeerAddress]
+    _conns: set[Connection]
+    _dead: dict[int, PeerFailureError]
+    _suspected: dict[int, PeerFailureError]
+    _unreachable: dict[int, tuple[float, PeerFailureError]]
+    _opened: int
+
+    if TYPE_CHECKING:  # (SocketTransport's)
+
+        def note_incarnation(self, rank: int, incarnation: int) -> bool: ...
+
+        def on_frame(self, conn: Connection, frame: Frame) -> None: ...
+
+        def on_closed(self, conn: Connection, error: Exception | None) -> None: ...
+
+    def _dial(self, addr: PeerAddress, local: bool, timeout: float) -> tuple[socket.socket, bool]:
+        """Connect, retrying errors that say nothing about the peer being gone; return the
+        socket and whether it is the Unix one. A Unix socket whose backlog stays full (a local
+        process flooding it, or a peer slow to accept) is given up for TCP, which has its own."""
+        try:
+            return self._dial_retrying(addr, local, timeout), local
+        except OSError as exc:
+            if not local or exc.errno not in _TRANSIENT_CONNECT_ERRORS:
+                raise
+        return self._dial_retrying(addr, False, timeout), False
+
+    def _dial_retrying(self, addr: PeerAddress, local: bool, timeout: float) -> socket.socket:
+        for delay in _CONNECT_RETRY_DELAYS:
+            try:
+                return self._dial_once(addr, local, timeout)
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT_CONNECT_ERRORS:
+                    raise
+                time.sleep(delay)  # e.g. a full accept backlog
+        return self._dial_once(addr, local, timeout)
+
+    def _dial_once(self, addr: PeerAddress, local: bool, timeout: float) -> socket.socket:
+        if local:
+            assert addr.unix is not None
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(addr.unix)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection((addr.host, addr.port), timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _open(self, rank: int) -> Connection:
+        addr = self._peers.get(rank)
+        label = self._label(rank)
+        if addr is None:
+            raise PeerFailureError(f"no address known for {label}", label)
+        cfg = self.config
+        local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
+        # a suspected peer may be frozen or cut off: do not wait longer than its silence took
+        suspected = rank in self._suspected
+        connect_timeout = cfg.connect_timeout
+        handshake_timeout = cfg.handshake_timeout
+        if suspected:
+            connect_timeout = min(connect_timeout, cfg.peer_timeout)
+            handshake_timeout = min(handshake_timeout, cfg.peer_timeout)
+        # A handshake the peer cut short is retried after these pauses: under load (a flood, many
+        # peers connecting at once) a worker closes connections it has no handshake slot for.
+        tls_mismatch = (cfg.client_ssl is not None) != addr.tls
+        if tls_mismatch and not local:  # it would fail, and say less
+            raise HandshakeError(_tls_mismatch(label, cfg.client_ssl is not None))
+        for attempt, delay in enumerate((*_HANDSHAKE_RETRY_DELAYS, None), 1):
+            sock, tcp = self._dial_peer(rank, addr, local, label, connect_timeout)
+            if tcp and tls_mismatch:  # over TCP after all (a flooded Unix socket)
+                sock.close()
+                raise HandshakeError(_tls_mismatch(label, cfg.client_ssl is not None))
+            try:
+                _tune(sock)
+                if tcp and cfg.client_ssl is not None:
+                    sock = cfg.client_ssl.wrap_socket(sock, server_hostname=addr.host)
+                sock.settimeout(handshake_timeout)
+                incarnation = client_handshake(sock, cfg.secret, cfg.rank, rank, cfg.incarnation)
+                sock.setblocking(False)
+                break
+            except (OSError, HandshakeError) as exc:
+                sock.close()
+                cut_short = isinstance(exc, (PeerClosedHandshake, ConnectionError, ssl.SSLEOFError))
+                if cut_short and delay is not None:
+                    time.sleep(delay)
+                    continue
+                failure = _handshake_failure(label, exc, attempt if cut_short else 0)
+                if suspected and isinstance(failure, PeerFailureError):
+                    # (a frozen peer: its kernel accepts the connection, the process is silent)
+                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
+                raise failure from exc
+        if not self.note_incarnation(rank, incarnation):
+            sock.close()
+            raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
+        self._suspected.pop(rank, None)  # back: it answered a fresh handshake
+        self._unreachable.pop(rank, None)
+        conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
+        conn.incarnation = incarnation
+        self._conns.add(conn)
+        self._opened += 1
+        self._io.call_soon(conn.start)
+        return conn
+
+    def _dial_peer(
+        self, rank: int, addr: PeerAddress, local: bool, label: str, timeout: float
+    ) -> tuple[socket.socket, bool]:
+        """A connected socket to ``rank`` and whether it is TCP; a refusal condemns the peer."""
+        try:
+            sock, local = self._dial(addr, local, timeout)
+        except OSError as exc:
+            if exc.errno in _REFUSED:  # proof: nothing listens there any more
+                error = PeerFailureError(f"could not connect to {label}: {exc}", label)
+                self._dead.setdefault(rank, error)
+            else:  # says nothing about the peer: this call fails, the next one tries again
+                error = PeerFailureError(
+                    f"could not connect to {label}: {exc} (not presumed dead: a later call "
+                    "connects again)",
+                    label,
+                )
+                if rank in self._suspected:
+                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, error)
+            raise error from exc
+        return sock, not local
+
+
+def _tune(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
+def _tls_mismatch(label: str, tls_here: bool) -> str:
+    where, not_where = ("this worker", label) if tls_here else (label, "this worker")
+    return (
+        f"cannot connect to {label}: TLS is configured on {where} but not on {not_where} "
+        "(TensorPipeRpcBackendOptions(server_ssl_context=..., client_ssl_context=...) must be "
+        "set on every worker, or on none)"
+    )
+
+
+def _handshake_failure(label: str, exc: BaseException, attempts: int) -> DistgradError:
+    """The error of a handshake that failed for good. ``attempts``: how often the peer cut
+    it short (0: it failed otherwise)."""
+    if attempts:
+        return HandshakeError(
+            f"handshake with {label} failed: the peer closed the connection during the "
+            f"handshake, {attempts} times ({exc}). It is refusing handshakes under load (a "
+            "connection flood? many workers connecting at once?) or shutting down: retry the "
+            "call. (TLS configured on one side only, or a different cluster secret, would be "
+            "reported as such.)"
+        )
+    if isinstance(exc, HandshakeError):
+        return HandshakeError(f"handshake with {label} failed: {exc}")
+    if isinstance(exc, ssl.SSLError):
+        return HandshakeError(
+            f"TLS handshake with {label} failed: {exc} (check the TLS contexts: the CA, the "
+            "certificates, and that the server's certificate names the address it listens on)"
+        )
+    if isinstance(exc, TimeoutError):
+        return PeerFailureError(
+            f"handshake with {label} timed out: it did not answer within the handshake "
+            "timeout (stalled or overloaded?); not presumed dead: a later call connects again",
+            label,
+        )
+    return PeerFailureError(f"handshake with {label} failed: {exc}", label)
