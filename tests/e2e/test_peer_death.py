@@ -192,3 +192,69 @@ def test_slow_and_idle_peers_are_not_declared_dead() -> None:
         options={"heartbeat_interval": 0.2, "peer_timeout": 1.0},
     )
     assert results == {0: "ok", 1: "served"}
+
+
+_KEPT: list[Any] = []
+_DONE = threading.Event()
+
+
+def _double(x: Any) -> Any:
+    return x * 2
+
+
+def _open_context_through_worker2() -> int:
+    """On worker1: open a context (left open), call worker2 in it; return this pid."""
+    import torch
+
+    import distgrad.autograd as dist_autograd
+
+    manager = dist_autograd.context()
+    manager.__enter__()
+    _KEPT.append(manager)
+    rpc.rpc_sync("worker2", _double, (torch.ones(2, requires_grad=True),))
+    return os.getpid()
+
+
+def _contexts() -> int:
+    import distgrad.autograd as dist_autograd
+
+    return int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
+
+def _finish() -> None:
+    _DONE.set()
+
+
+def orphan_program(rank: int, world_size: int) -> object:
+    if rank == 1:
+        time.sleep(60)  # killed long before
+        return "unreachable"
+    if rank == 2:
+        _DONE.wait(60)
+        rpc.shutdown(graceful=False)
+        return "bystander"
+    pid = rpc.rpc_sync("worker1", _open_context_through_worker2)
+    before = rpc.rpc_sync("worker2", _contexts)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    after = before
+    while after and time.monotonic() - killed < 20:
+        time.sleep(0.1)
+        after = rpc.rpc_sync("worker2", _contexts)
+    released_after = time.monotonic() - killed
+    rpc.rpc_sync("worker2", _finish)
+    rpc.shutdown(graceful=False)
+    return {"before": before, "after": after, "released_after": released_after}
+
+
+def test_a_killed_workers_orphan_contexts_are_released() -> None:
+    """worker1 opens a context and calls worker2 in it, then is SIGKILLed: no one calls worker1
+    again, but worker2 probes it (a refused connect proves it dead) and releases the context
+    only worker1 could have cleaned up. (It stayed for worker2's life: a killed peer was only
+    suspected.)"""
+    results = run_workers(orphan_program, 3, timeout=60, shutdown=False, may_die={1})
+    outcome = results[0]
+    assert isinstance(outcome, dict), outcome
+    assert outcome["before"] == 1, outcome
+    assert outcome["after"] == 0, outcome
+    assert results[2] == "bystander"

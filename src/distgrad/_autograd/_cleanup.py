@@ -4,16 +4,21 @@ it went (SPEC 2.2: transitive, best effort, retried)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._errors import DistgradError, RpcShutdownError
 from .._rpc import _profiling
 from .._rpc._agent import current_agent
+from .._rpc._current import bind_thread
 from .._rpc._functions import after_current_task
 from ._context import _ID_BITS, CONTAINER, DistAutogradContext
 from ._engine import BackwardError
+
+if TYPE_CHECKING:
+    from .._rpc._agent import RpcAgent
 
 __all__ = ["after_release", "release_orphans"]
 
@@ -108,11 +113,32 @@ def release_orphans(dead: int) -> None:
     told about: those it created, and those whose creator this worker never messaged (the
     context came through other workers, so the creator's cleanup reaches it only through them,
     maybe only through the dead one). The release spreads to their known workers as a normal
-    cleanup does, so contexts further downstream of the dead worker are released too."""
+    cleanup does, so contexts further downstream of the dead worker are released too.
+
+    A peer that is only *suspected* may come back and clean up itself; but a killed one is
+    never called again by anyone, so the proof (a refused connect) would never come and its
+    orphans would stay for the agent's life. When there are orphans, a probe connects to the
+    suspected peer once, on a thread of its own (it may wait up to the peer timeout): refused,
+    the peer is dead and its orphans are released; otherwise they stay until it cleans up."""
     agent = current_agent()
-    if agent is None or not agent.peer_is_dead(dead):
-        return  # a suspected peer may come back and clean up itself
+    if agent is None:
+        return
+    if not agent.peer_is_dead(dead):
+        if _orphans_of(dead):
+            threading.Thread(
+                target=_probe, args=(agent, dead), name="distgrad-probe", daemon=True
+            ).start()
+        return
+    for ctx in _orphans_of(dead):
+        released = CONTAINER.release_context_if_present(ctx.context_id)
+        if released is not None:
+            after_release(released, frozenset({dead}))
+
+
+def _orphans_of(dead: int) -> list[DistAutogradContext]:
+    """The contexts only ``dead`` links this worker to (see :func:`release_orphans`)."""
     me = CONTAINER.worker_id
+    orphans = []
     for ctx in CONTAINER.contexts():
         creator = ctx.context_id >> _ID_BITS
         if creator == me:
@@ -122,6 +148,18 @@ def release_orphans(dead: int) -> None:
             continue
         if creator != dead and creator in known:
             continue  # the creator tells this worker directly
-        released = CONTAINER.release_context_if_present(ctx.context_id)
-        if released is not None:
-            after_release(released, frozenset({dead}))
+        orphans.append(ctx)
+    return orphans
+
+
+def _probe(agent: RpcAgent, suspected: int) -> None:
+    """Connect to a suspected peer once (as a call would); if that proves it dead, release
+    the contexts it orphaned."""
+    if agent.isolated:  # (an agent of an in-memory world: its state is bound to its threads)
+        bind_thread(agent)
+    try:
+        agent.transport.connection(suspected)
+    except Exception as exc:  # refused (proof), or not reachable now (no proof)
+        _log.debug("probe of worker %s: %s", suspected, exc)
+    if agent.peer_is_dead(suspected) and not agent.state.stopped:
+        release_orphans(suspected)
