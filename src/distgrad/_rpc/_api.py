@@ -421,7 +421,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
             agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
             while True:
                 agent.wait_until_idle(deadline)
-                counts = _collectives.all_gather(agent.active_calls(), timeout=remaining())
+                counts = _collectives.all_gather_survivors(agent.active_calls(), remaining())
                 if sum(counts.values()) == 0:
                     break
     finally:
@@ -451,9 +451,16 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
     _check_rref_leaks(agent)
 
 
+_DEAD_PEER_RREF_DRAIN_S = 2.0
+
+
 def _rref_drain_timeout(agent: RpcAgent, deadline: float | None) -> float:
     """How long shutdown waits for RRef users to be deleted: what is left of its timeout, or
-    (with none) the default RPC timeout (60 s if that is infinite too)."""
+    (with none) the default RPC timeout (60 s if that is infinite too); at most a moment when a
+    peer is dead (the users it held are never deleted: they are leaks, not work to wait for)."""
+    if agent.statistics().dead_peers:
+        left = _DEAD_PEER_RREF_DRAIN_S if deadline is None else deadline - time.monotonic()
+        return max(0.0, min(_DEAD_PEER_RREF_DRAIN_S, left))
     if deadline is not None:
         return max(0.0, deadline - time.monotonic())
     return agent.rpc_timeout if agent.rpc_timeout > 0 else _config.DEFAULT_RPC_TIMEOUT_SEC
