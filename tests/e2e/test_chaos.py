@@ -28,7 +28,7 @@ WORLD = 4
 OPTIONS = {"heartbeat_interval": 0.25, "peer_timeout": 1.0}
 BOUND_S = 3.0  # from the kill to a survivor's first error naming the victim (detection + slack)
 SHUTDOWN_BOUND_S = 8.0
-TRAFFIC_AFTER_KILL_S = 2.0
+TRAFFIC_AFTER_KILL_S = 1.5
 
 pytestmark = pytest.mark.timeout(60)
 

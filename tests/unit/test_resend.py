@@ -94,3 +94,23 @@ def test_a_connection_lost_after_the_write_fails_saying_the_peer_may_have_run_it
         assert _runs == [7]
         assert world.agents[0].agent_statistics().calls_resent == 0
         world.kill(0)  # (the in-memory transport takes a lost link for a dead peer)
+
+
+def _graceful_shutdown(rank: int) -> float:
+    started = time.monotonic()
+    rpc.shutdown(graceful=True, timeout=10)
+    return time.monotonic() - started
+
+
+def test_graceful_shutdown_with_a_dead_member_returns_on_the_survivors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A static group's member died: the survivors' graceful shutdown leaves it out, with a
+    warning naming it, and returns (no PeerFailureError, no timeout)."""
+    with open_world(3) as world:
+        world.run(lambda r: [rpc.rpc_sync(f"worker{d}", counted, (d,)) for d in range(3)])
+        world.kill(2)
+        with caplog.at_level("WARNING", logger="distgrad.rpc"):
+            took = world.run(_graceful_shutdown, ranks=[0, 1])
+        assert all(t < 5 for t in took), took
+        assert "graceful shutdown goes on without worker2" in caplog.text

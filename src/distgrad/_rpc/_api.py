@@ -451,7 +451,7 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
     _check_rref_leaks(agent)
 
 
-_DEAD_PEER_RREF_DRAIN_S = 2.0
+_DEAD_PEER_RREF_DRAIN_S = 1.0
 
 
 def _rref_drain_timeout(agent: RpcAgent, deadline: float | None) -> float:
