@@ -377,13 +377,15 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
         graceful (bool): wait for the group and for calls in flight (``True``), or stop at
             once (``False``: calls still waiting fail with ``RpcShutdownError``).
         timeout (float): seconds the graceful wait may take in all; ``0`` (the default)
-            waits as long as it takes. A dead peer ends the wait early.
+            waits as long as it takes. A dead peer is left out of the wait (a warning names
+            it): the survivors' graceful shutdown returns.
 
     Raises:
         RuntimeError: RPC is not initialized; with ``rpc.api._ignore_rref_leak = False``,
             "Leaking RRef ..." when forks of RRefs owned here were still registered.
         RpcTimeoutError: the graceful wait passed ``timeout`` (the agent is stopped anyway).
-        PeerFailureError: a peer died during the graceful wait.
+        PeerFailureError: a peer was lost during the graceful wait without being proved
+            dead (suspected: it may come back).
 
     Example:
         # The worker that does the work and the worker that serves it.
@@ -415,7 +417,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                     )
                 return left
 
-            _collectives.wait_all_workers(remaining())
+            _collectives.all_gather_survivors(None, remaining())
             for hook in list(agent.shutdown_hooks):
                 hook()
             agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))

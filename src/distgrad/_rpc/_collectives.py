@@ -161,9 +161,8 @@ def barrier(worker_names: list[str] | None = None) -> None:
 
 
 def wait_all_workers(timeout: float = 0) -> None:
-    """Block until every worker called this (used by graceful shutdown); 0 = no timeout.
-    Workers known dead are left out (see :func:`all_gather_survivors`)."""
-    all_gather_survivors(None, timeout)
+    """Block until every worker called this; 0 = no timeout."""
+    all_gather(None, timeout=timeout)
 
 
 def _survivors(agent: RpcAgent) -> list[str]:
