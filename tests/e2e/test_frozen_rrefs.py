@@ -99,19 +99,25 @@ def frozen_rref_program(rank: int, world_size: int) -> dict[str, Any]:
         time.sleep(0.1)
     outcome["tables"] = tables
     stopping = time.monotonic()
-    rpc.shutdown(timeout=20)
+    try:
+        rpc.shutdown(timeout=20)
+        outcome["shutdown"] = "ok"
+    except Exception as exc:
+        outcome["shutdown"] = f"{type(exc).__name__}: {exc}"
     outcome["shutdown_s"] = time.monotonic() - stopping
     outcome["leaks"] = len(agent.rref_leaks)
     return outcome
 
 
 @pytest.mark.xfail(
-    reason="open (issue 14): after the thaw a forked child's accept notice or a user's delete "
-    "can still be lost, so a pending fork stays and graceful shutdown times out",
+    reason="open (issue 14): after the thaw the frozen owner keeps a few forks whose users "
+    "are gone (deletes lost while it was suspected; pending children not accepted), so the "
+    "owner tables do not empty and graceful shutdown times out",
     strict=False,
 )
 def test_rref_traffic_rides_through_a_frozen_worker() -> None:
     results = run_workers(frozen_rref_program, 3, timeout=90, options=FAST, shutdown=False)
+    print({r: {k: v for k, v in o.items() if k != "failures"} for r, o in results.items()})
     for rank, outcome in results.items():
         assert outcome["ok"] > 0, (rank, outcome)
         for took, message in outcome["failures"]:
@@ -120,4 +126,5 @@ def test_rref_traffic_rides_through_a_frozen_worker() -> None:
         assert outcome["tables"]["num_owner_rrefs"] == "0", (rank, outcome["tables"])
         assert outcome["tables"]["num_forks"] == "0", (rank, outcome["tables"])
         assert outcome["leaks"] == 0, (rank, outcome)
+        assert outcome["shutdown"] == "ok", (rank, outcome)
         assert outcome["shutdown_s"] < 10, (rank, outcome)
