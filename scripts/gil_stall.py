@@ -12,7 +12,7 @@ or with ``--mode pickle`` one ``pickle.dumps`` of a large list sized to take abo
 here (noisy on a loaded host). Its I/O thread cannot run meanwhile: no heartbeats, no reads.
 Every worker keeps calling every other one (``rpc_sync`` with a 1 s timeout, every 0.25 s) from
 before the stall until ``--after`` seconds after it, then makes one last call to each.
-Printed per worker: when it found which peer dead and why (relative to the start of the
+Printed per worker: when it suspected which peer and why (relative to the start of the
 stall), how its probes fared, how its last calls ended, and its dead peers.
 
 ``--mode host`` stalls the whole host instead (a VM paused, an overloaded machine): every
@@ -193,7 +193,7 @@ def main() -> None:
         r = results[rank]
         print(f"\nworker{rank}{' (started late)' if r['ready_late'] else ''}:")
         for t, peer, why in r["deaths"]:
-            print(f"  +{t - t0:6.2f}s  found worker{peer} dead: {why[:110]}")
+            print(f"  +{t - t0:6.2f}s  suspected worker{peer}: {why[:110]}")
         for dst, probes in sorted(r["probes"].items()):
             failed = [(t, outcome) for t, outcome in probes if outcome != "ok"]
             line = f"  probes to worker{dst}: {len(probes) - len(failed)} ok, {len(failed)} failed"

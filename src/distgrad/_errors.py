@@ -65,6 +65,19 @@ class PeerFailureError(DistgradError):
         self.peer = peer
 
 
+class FrameNotSentError(PeerFailureError):
+    """Internal (never reaches a caller as such): a frame could not be written at all -- its
+    connection was found dead (EPIPE, ECONNRESET, already closed) before any byte of the frame
+    reached the kernel -- so the peer cannot have received it. ``Connection.send`` raises it,
+    having marked the connection closed; the RPC layer sends a request that failed so once
+    more, on a fresh connection."""
+
+
+#: appended to the error of a call that failed because its connection was lost after its
+#: request was (possibly) written
+MAYBE_RUN = " (the peer may not have received the request, or may have run it)"
+
+
 class RpcShutdownError(DistgradError):
     """The local RPC agent is shut down or shutting down: calls still waiting when
     ``shutdown(graceful=False)`` ran fail with it ("RPC agent was shut down before the call

@@ -137,12 +137,11 @@ def stubborn_program(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 1:
         time.sleep(2.0)  # does not reach shutdown within worker0's timeout
         started = time.monotonic()
-        with pytest.raises(RuntimeError) as info:
-            rpc.shutdown(timeout=2.0)  # worker0 has gone meanwhile
+        rpc.shutdown(timeout=2.0)  # worker0 has gone meanwhile: left out, with a warning
         took = time.monotonic() - started
         assert took < 2.5, f"shutdown(timeout=2.0) took {took:.2f}s"
         assert not rpc._is_current_rpc_agent_set()
-        return {"took": took, "error": str(info.value)}
+        return {"took": took, "error": None}
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out in _all_gather") as info:
         rpc.shutdown(timeout=1.0)
@@ -156,10 +155,11 @@ def stubborn_program(rank: int, world_size: int) -> dict[str, Any]:
 def test_shutdown_timeout_with_a_peer_that_does_not_shut_down() -> None:
     """worker0's shutdown(timeout=1.0) while worker1 is busy elsewhere raises the reference's
     "timed out in _all_gather" within the bound and resets the agent; worker1's later
-    shutdown(timeout=2.0) also ends (with an error: worker0 is gone) within its bound."""
+    shutdown(timeout=2.0) returns within its bound: worker0 is gone (it said goodbye), so it
+    is left out of the gathers, with a warning naming it."""
     results = run_workers(stubborn_program, 2, timeout=60, shutdown=False)
     assert "worker1" in results[0]["error"], results[0]
-    assert "worker0" in results[1]["error"], results[1]
+    assert results[1]["error"] is None, results[1]
 
 
 def stop_serving() -> str:

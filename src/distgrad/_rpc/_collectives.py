@@ -9,15 +9,18 @@ sitting out the whole timeout.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import defaultdict
 from typing import Any
 
-from .._errors import RpcTimeoutError
+from .._errors import DistgradError, PeerFailureError, RpcTimeoutError
 from ._agent import RpcAgent, current_agent
 
-__all__ = ["all_gather", "barrier", "wait_all_workers"]
+__all__ = ["all_gather", "all_gather_survivors", "barrier", "wait_all_workers"]
+
+_log = logging.getLogger("distgrad.rpc")
 
 _POLL = 0.05
 
@@ -158,5 +161,58 @@ def barrier(worker_names: list[str] | None = None) -> None:
 
 
 def wait_all_workers(timeout: float = 0) -> None:
-    """Block until every worker called this (used by graceful shutdown); 0 = no timeout."""
+    """Block until every worker called this; 0 = no timeout."""
     all_gather(None, timeout=timeout)
+
+
+def _survivors(agent: RpcAgent) -> list[str]:
+    """The names of the workers not known dead; each peer is connected to first, so that one
+    that died (its connections broke: only suspected so far) is found dead by its refusal."""
+    names = []
+    for info in agent.get_worker_infos():
+        if info.id != agent.worker_info.id:
+            try:
+                agent.transport.connection(info.id)
+            except DistgradError:
+                pass
+        if not agent.transport.is_dead(info.id):
+            names.append(info.name)
+    return sorted(names)
+
+
+def _dead_reason(agent: RpcAgent, name: str) -> str:
+    try:
+        agent.transport.check_alive(agent.get_worker_info(name).id)
+    except DistgradError as exc:
+        return str(exc)
+    return f"{name} is dead"
+
+
+def all_gather_survivors(obj: Any, timeout: float = 0) -> dict[str, Any]:
+    """:func:`all_gather` among the workers not known dead (graceful shutdown): a member of a
+    static group that died does not make its survivors' shutdown fail -- they leave without it,
+    with a warning naming it. One found dead during the gather is left out the same way, and
+    the gather is made again; any other failure is raised. ``timeout``: 0 = none."""
+    agent = _require_agent()
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    everyone = sorted(w.name for w in agent.get_worker_infos())
+    while True:
+        names = _survivors(agent)
+        if names != everyone:
+            gone = sorted(set(everyone) - set(names))
+            _log.warning(
+                "graceful shutdown goes on without %s, found dead: %s",
+                ", ".join(gone),
+                "; ".join(_dead_reason(agent, n) for n in gone),
+            )
+            everyone = names
+        left = 0.0
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RpcTimeoutError(f"shutdown timed out after {timeout:g}s waiting for {names}")
+        try:
+            return all_gather(obj, names, timeout=left)
+        except PeerFailureError:
+            if _survivors(agent) == names:
+                raise

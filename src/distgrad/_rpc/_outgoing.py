@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import (
+    MAYBE_RUN,
+    FrameNotSentError,
     InjectedFailureError,
     PeerFailureError,
     RpcShutdownError,
@@ -131,15 +133,33 @@ class Outgoing:
                 self._active += 1
         calls.add(call)
         self._stats.sent(dst.id, size)
+        info = None
+        if self._describe:
+            wrapped = bool(made) and made[0] is not None
+            info = describe_request(payload[0], payload[1], wrapped=wrapped)
         try:
-            if self._describe:
-                wrapped = bool(made) and made[0] is not None
-                info = describe_request(payload[0], payload[1], wrapped=wrapped)
+            try:
                 conn.send_frame(
                     Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
                 )
-            else:
-                conn.send_frame(Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags)
+            except FrameNotSentError as exc:
+                # The connection was found dead before any byte of the request left: the peer
+                # cannot have run it, so it goes once more, on a fresh connection.
+                if calls.pop(cid) is None:  # failed meanwhile with its connection
+                    raise PeerFailureError(str(exc), exc.peer) from exc
+                conn = self._resend(call, dst, exc)
+                calls.add(call)
+                conn.send_frame(
+                    Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
+                )
+        except FrameNotSentError as exc:
+            if calls.pop(cid) is not None:
+                self._done(call)
+            raise PeerFailureError(
+                f"{exc} (the request was not sent: it was tried again on a new connection, "
+                "which failed too)",
+                exc.peer,
+            ) from exc
         except BaseException:
             if calls.pop(cid) is not None:
                 self._done(call)
@@ -151,8 +171,24 @@ class Outgoing:
         # out before this one was in (see _call_table), so fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
             self._done(call)
-            raise conn.broken_error()
+            raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
         return call
+
+    def _resend(self, call: _Call, dst: WorkerInfo, error: FrameNotSentError) -> Link:
+        """A fresh connection for ``call`` (out of the table), whose request could not be
+        written; raises (the call counted as failed) if there is none."""
+        assert self._transport is not None
+        try:
+            if self.state.stopped:
+                raise self._stopped_error("REQUEST")
+            conn = self._transport.connection(dst.id)
+        except BaseException:
+            self._done(call)
+            raise
+        _log.debug("resending call %d to %s on a new connection: %s", call.cid, dst.name, error)
+        self._stats.resent(dst.id)
+        call.conn = conn
+        return conn
 
     def call_sync(
         self,
@@ -271,7 +307,11 @@ class Outgoing:
                 Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info
             )
             return
-        conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
+        try:
+            conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
+        except FrameNotSentError:  # not sent at all: once more, on a fresh connection
+            conn = self._transport.connection(dst)
+            conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
 
     def send_with_retries(
         self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
@@ -354,9 +394,10 @@ class Outgoing:
         self._finish(call)
 
     def _fail_calls_on(self, conn: Link, error: Exception) -> None:
-        """Fail every call waiting on ``conn``, which broke (I/O thread)."""
+        """Fail every call waiting on ``conn``, which broke (I/O thread): their requests were
+        written (or partly), so the peer may have run them."""
         for call in self._calls.take_on(conn):
-            call.error = PeerFailureError(str(error), conn.peer_label)
+            call.error = PeerFailureError(f"{error}{MAYBE_RUN}", conn.peer_label)
             self._finish(call)
 
     def _fail_all_calls(self, error: BaseException) -> None:

@@ -47,7 +47,11 @@ def create_remote(
         ctx.add_fork(rref_id, rref_id)
         rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
         call_args = (RemoteCreation(rref_id, rref_id), func, args, kwargs)
-        future = _create_call(agent, dst, func, call_args, timeout, force)
+        try:
+            future = _create_call(agent, dst, func, call_args, timeout, force)
+        except BaseException:
+            ctx.del_forks([(rref_id, rref_id)])
+            raise
 
         def created_here(error: BaseException | None) -> None:
             if isinstance(error, (RpcTimeoutError, InjectedFailureError)):  # as torch does
@@ -63,7 +67,11 @@ def create_remote(
     rref._script = is_script(func)
     ctx.add_pending_user(fork_id, rref)
     creation = RemoteCreation(rref_id, fork_id)
-    future = _create_call(agent, dst, func, (creation, func, args, kwargs), timeout, force)
+    try:
+        future = _create_call(agent, dst, func, (creation, func, args, kwargs), timeout, force)
+    except BaseException as exc:  # not sent (a dead or unreachable owner): nobody will confirm
+        ctx.confirm_user(fork_id, exc)
+        raise
 
     rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
     return rref

@@ -97,6 +97,7 @@ class RRef(Generic[T]):
         "_deleted",
         "_error",
         "_fork_id",
+        "_maybe_created",
         "_owner",
         "_owner_incarnation",
         "_profiling_future",
@@ -139,6 +140,7 @@ class RRef(Generic[T]):
         self._settled: threading.Event | None = None  # users: set once confirmed (or failed)
         self._error: BaseException | None = None
         self._timed_out = False
+        self._maybe_created = False  # its creation failed with a lost peer: it may exist there
         self._deleted = False
         self._creation: torch.futures.Future[Any] | None = None
         self._type_future: torch.futures.Future[Any] | None = None
@@ -173,7 +175,7 @@ class RRef(Generic[T]):
             known = self._owner_incarnation
             if known and self._ctx.agent.incarnation_of(self._owner.id) != known:
                 return  # its owner restarted: the new incarnation never knew this fork
-            if self._confirmed or self._timed_out:
+            if self._confirmed or self._timed_out or self._maybe_created:
                 self._ctx.user_dropped(self._owner.id, self._rref_id, fork_id)
         except Exception:  # interpreter shutdown, half-built object
             pass
@@ -187,6 +189,9 @@ class RRef(Generic[T]):
             self._timed_out = True
         else:
             self._error = error
+            # the owner may have registered this fork before the connection was lost: it is
+            # deleted like a confirmed one (a delete of an unknown fork is a no-op there)
+            self._maybe_created = isinstance(error, PeerFailureError)
         settled = self._settled
         if settled is not None:
             settled.set()

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext", "RemoteCreation"]
 
 _log = logging.getLogger("distgrad.rpc")
+
+_TOMBSTONES = 65536
 
 
 class _Collecting(threading.local):
@@ -95,6 +97,8 @@ class RRefContext:
         self._lock = threading.Lock()
         self._owners: dict[GloballyUniqueId, OwnerValue] = {}
         self._forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
+        #: forks deleted before they were registered (the most recent ``_TOMBSTONES``)
+        self._tombstones: OrderedDict[GloballyUniqueId, None] = OrderedDict()
         self._pending_users: dict[GloballyUniqueId, RRef[Any]] = {}
         self._pending_children: dict[GloballyUniqueId, RRef[Any]] = {}
         self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, RRef[Any]] = (
@@ -127,6 +131,11 @@ class RRefContext:
 
     def add_fork(self, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> None:
         with self._lock:
+            if fork_id in self._tombstones:  # deleted before it got here: never registered
+                del self._tombstones[fork_id]
+                if rref_id not in self._forks:
+                    self._owners.pop(rref_id, None)
+                return
             self._forks.setdefault(rref_id, set()).add(fork_id)
 
     def del_forks(self, pairs: list[tuple[GloballyUniqueId, GloballyUniqueId]]) -> None:
@@ -135,7 +144,13 @@ class RRefContext:
         with self._lock:
             for rref_id, fork_id in pairs:
                 forks = self._forks.get(rref_id)
-                if forks is None:
+                if forks is None or fork_id not in forks:
+                    # Not registered (yet): the user's creation or fork request may still come,
+                    # by another connection (one that was lost after it was written, read after
+                    # a freeze), and must then not register it.
+                    self._tombstones[fork_id] = None
+                    if len(self._tombstones) > _TOMBSTONES:
+                        self._tombstones.popitem(last=False)
                     continue
                 forks.discard(fork_id)
                 if not forks:
@@ -156,7 +171,7 @@ class RRefContext:
             # A creation that timed out may still have reached the owner (its fork registered
             # there): such a user is deleted like a confirmed one, at shutdown too (a delete of
             # a fork the owner never saw is a no-op there).
-            if error is None or rref._timed_out:
+            if error is None or rref._timed_out or rref._maybe_created:
                 self.add_confirmed_user(rref)
 
     def add_confirmed_user(self, rref: RRef[Any]) -> None:

@@ -58,13 +58,15 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
         graceful (bool): wait for the group and for calls in flight (``True``), or stop at
             once (``False``: calls still waiting fail with ``RpcShutdownError``).
         timeout (float): seconds the graceful wait may take in all; ``0`` (the default)
-            waits as long as it takes. A dead peer ends the wait early.
+            waits as long as it takes. A dead peer is left out of the wait (a warning names
+            it): the survivors' graceful shutdown returns.
 
     Raises:
         RuntimeError: RPC is not initialized; with ``rpc.api._ignore_rref_leak = False``,
             "Leaking RRef ..." when forks of RRefs owned here were still registered.
         RpcTimeoutError: the graceful wait passed ``timeout`` (the agent is stopped anyway).
-        PeerFailureError: a peer died during the graceful wait.
+        PeerFailureError: a peer was lost during the graceful wait without being proved
+            dead (suspected: it may come back).
 
     Example:
         # The worker that does the work and the worker that serves it.
@@ -96,12 +98,12 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                     )
                 return left
 
-            _collectives.wait_all_workers(remaining())
+            _collectives.all_gather_survivors(None, remaining())
             _layer.shutting_down(agent)
             agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
             while True:
                 agent.wait_until_idle(deadline)
-                counts = _collectives.all_gather(agent.active_calls(), timeout=remaining())
+                counts = _collectives.all_gather_survivors(agent.active_calls(), remaining())
                 if sum(counts.values()) == 0:
                     break
     finally:
@@ -130,9 +132,16 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
     _check_rref_leaks(agent)
 
 
+_DEAD_PEER_RREF_DRAIN_S = 1.0
+
+
 def _rref_drain_timeout(agent: RpcAgent, deadline: float | None) -> float:
     """How long shutdown waits for RRef users to be deleted: what is left of its timeout, or
-    (with none) the default RPC timeout (60 s if that is infinite too)."""
+    (with none) the default RPC timeout (60 s if that is infinite too); at most a moment when a
+    peer is dead (the users it held are never deleted: they are leaks, not work to wait for)."""
+    if agent.statistics().dead_peers:
+        left = _DEAD_PEER_RREF_DRAIN_S if deadline is None else deadline - time.monotonic()
+        return max(0.0, min(_DEAD_PEER_RREF_DRAIN_S, left))
     if deadline is not None:
         return max(0.0, deadline - time.monotonic())
     return agent.rpc_timeout if agent.rpc_timeout > 0 else _config.DEFAULT_RPC_TIMEOUT_SEC

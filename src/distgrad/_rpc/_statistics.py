@@ -40,6 +40,9 @@ class PeerStatistics:
     calls_sent: int = 0
     #: calls that ended with an error: an error reply, a timeout, a peer failure, a shutdown
     calls_failed: int = 0
+    #: calls whose request could not be written at all (the connection was found dead before
+    #: any byte of it left) and were sent again on a fresh connection
+    calls_resent: int = 0
     requests_served: int = 0
     #: requests answered with an error reply
     requests_failed: int = 0
@@ -70,6 +73,10 @@ class AgentStatistics:
         return sum(p.calls_failed for p in self.peers.values())
 
     @property
+    def calls_resent(self) -> int:
+        return sum(p.calls_resent for p in self.peers.values())
+
+    @property
     def requests_served(self) -> int:
         return sum(p.requests_served for p in self.peers.values())
 
@@ -87,7 +94,7 @@ class AgentStatistics:
 
 
 # indices into a peer's counter list
-_SENT, _FAILED, _SERVED, _SERVE_FAILED, _OUT, _IN = range(6)
+_SENT, _FAILED, _SERVED, _SERVE_FAILED, _OUT, _IN, _RESENT = range(7)
 
 
 class StatisticsRecorder:
@@ -103,7 +110,7 @@ class StatisticsRecorder:
     def _counters(self, peer: int) -> list[int]:
         counters = self._peers.get(peer)
         if counters is None:
-            counters = self._peers.setdefault(peer, [0] * 6)
+            counters = self._peers.setdefault(peer, [0] * 7)
         return counters
 
     def sent(self, peer: int, nbytes: int) -> None:
@@ -112,6 +119,11 @@ class StatisticsRecorder:
             counters = self._counters(peer)
             counters[_SENT] += 1
             counters[_OUT] += nbytes
+
+    def resent(self, peer: int) -> None:
+        """A call to ``peer`` was sent again on a fresh connection (its first write failed)."""
+        with self._lock:
+            self._counters(peer)[_RESENT] += 1
 
     def answered(self, peer: int, nbytes: int, *, failed: bool) -> None:
         """A call to ``peer`` ended (``nbytes`` of answer received)."""
@@ -143,6 +155,7 @@ class StatisticsRecorder:
             name_of.get(rank, str(rank)): PeerStatistics(
                 calls_sent=c[_SENT],
                 calls_failed=c[_FAILED],
+                calls_resent=c[_RESENT],
                 requests_served=c[_SERVED],
                 requests_failed=c[_SERVE_FAILED],
                 bytes_sent=c[_OUT],

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from .._config import CROSS_MEMORY_THRESHOLD
-from .._errors import PeerFailureError, ProtocolError
+from .._errors import FrameNotSentError, PeerFailureError, ProtocolError
 from .._wire._frames import Frame, FrameParser, Kind, encode_frame, encode_frame_by_reference
 from . import _memory
 from ._base import MessageInfo
@@ -42,6 +42,9 @@ __all__ = ["Connection", "ConnectionOwner", "Piece"]
 _log = logging.getLogger("distgrad.transport")
 _IOV_MAX = 512
 _READS_PER_WAKEUP = 64
+#: after a failed write, what the peer sent before it went is still read, up to this much
+_DRAIN_BYTES = 64 << 20
+_DRAIN_SECONDS = 1.0
 
 Piece = bytes | memoryview
 
@@ -138,6 +141,43 @@ class Connection:
             self._later.clear()
             self._pinned.clear()
         self._io.call_soon(self._close_in_loop, error)
+
+    def _mark_closed(self, error: Exception) -> None:
+        """Close after a failed write (any thread; the lock may be held): closed at once, but
+        what the peer sent before it went -- responses, RRef messages -- still waits in the
+        socket, so it is read and handed on (:meth:`_drain`) before the socket is closed."""
+        if self.closed:
+            return
+        _log.debug("connection to %s failed: %s", self.peer_label, error)
+        self.closed = True
+        self.close_error = error
+        self._queue.clear()
+        self._later.clear()
+        self._pinned.clear()
+        self._io.call_soon(self._drain_and_close, error)
+
+    def fail_write(self, error: PeerFailureError) -> None:
+        """Close as a failed write does (fault injection: a connection found dead at write)."""
+        with self._lock:
+            self._mark_closed(error)
+
+    def _drain_and_close(self, error: Exception) -> None:
+        try:
+            self._drain()
+        finally:
+            self._close_in_loop(error)
+
+    def _drain(self) -> None:
+        """Read what is already in the socket (I/O thread), bounded by ``_DRAIN_BYTES`` and
+        ``_DRAIN_SECONDS``, and hand on the complete frames; stops at the first read that
+        would block, the peer's EOF, or an error."""
+        deadline = time.monotonic() + _DRAIN_SECONDS
+        total = 0
+        while total < _DRAIN_BYTES and time.monotonic() < deadline:
+            n = self._read_step()
+            if n <= 0:
+                return
+            total += n
 
     def close_when_flushed(self) -> None:
         """Say goodbye, write what is queued, then half-close; the peer's EOF finishes it."""
@@ -245,8 +285,9 @@ class Connection:
     def send(self, pieces: Sequence[Piece]) -> None:
         """Write one frame's pieces, in order with every other frame on this connection."""
         with self._lock:
-            if self.closed:
-                raise self.broken_error()
+            if self.closed:  # nothing of this frame was written: the peer cannot have it
+                error = self.broken_error()
+                raise FrameNotSentError(str(error), self.peer_label)
             if self._later:
                 pieces = [*pieces, *self._later]
                 self._later.clear()
@@ -268,12 +309,12 @@ class Connection:
             try:
                 written = self._write_some(pieces)
             except OSError as exc:
-                error = PeerFailureError(
-                    f"lost the connection to {self.peer_label} while sending: {exc}",
-                    self.peer_label,
-                )
-                self._io.call_soon(self._fail, error)
-                raise error from exc
+                # Nothing was queued before this frame and the write took none of it: the
+                # connection is dead and the peer cannot have the frame. Closed now (a resend
+                # must find a fresh connection); what the peer sent before is still read.
+                message = f"lost the connection to {self.peer_label} while sending: {exc}"
+                self._mark_closed(PeerFailureError(message, self.peer_label))
+                raise FrameNotSentError(message, self.peer_label) from exc
             self.last_send = time.monotonic()
             if written == (len(pieces[0]) if len(pieces) == 1 else sum(map(len, pieces))):
                 return
@@ -297,6 +338,10 @@ class Connection:
                 n = self._sock.send(piece)
             except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
                 break
+            except OSError:
+                if total:  # part of the frame left: the rest is queued and fails there
+                    break
+                raise
             total += n
             if n < len(piece):
                 break
@@ -334,7 +379,7 @@ class Connection:
                 if self._shutdown_after_flush and not self._pinned:
                     self._half_close()
                 return
-        self._fail(error)
+        self._mark_closed(error)
 
     # -- direct memory reads (I/O thread) ----------------------------------------------------------
     def _read_remote(self, address: int, into: memoryview) -> None:
@@ -387,57 +432,61 @@ class Connection:
 
     # -- reading (I/O thread) -------------------------------------------------------------------
     def _on_readable(self) -> None:
-        parser = self._parser
         for _ in range(_READS_PER_WAKEUP):
-            buf = parser.get_buffer()
-            try:
-                n = self._recv_tls(buf) if self._tls else self._sock.recv_into(buf)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
-                return
-            except ssl.SSLWantWriteError:
-                return
-            except OSError as exc:
-                self._fail(
-                    PeerFailureError(
-                        f"lost the connection to {self.peer_label}: {exc}", self.peer_label
-                    )
-                )
-                return
-            if n == 0:
-                self._on_eof()
-                return
-            self.last_recv = time.monotonic()
-            try:
-                frames = parser.buffer_updated(n)
-                released = [f.transfer for f in frames if f.transfer >= 0]
-                if released:  # the reads are done: let the peer reuse that memory at once
-                    self._release(released)
-                for frame in frames:
-                    if frame.kind >= Kind.MEMORY_OFFER:
-                        self._on_control(frame)
-            except ProtocolError as exc:
-                _log.warning("dropping connection from %s: %s", self.peer_label, exc)
-                self._fail(exc)
-                return
-            except PeerFailureError as exc:
-                self._fail(exc)
-                return
-            for frame in frames:
-                if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
-                    continue
-                if frame.kind == Kind.GOODBYE:
-                    self.goodbye_received = True
-                    continue
-                try:
-                    self._owner.on_frame(self, frame)
-                except Exception:
-                    _log.exception("error while handling a frame from %s", self.peer_label)
-            if n < len(buf) and not (self._tls and self._sock.pending()):  # type: ignore[attr-defined]
+            if self._read_step() <= 0:
                 return
         # Out of reads for this wake-up. Bytes TLS has already taken from the kernel (a
         # record's decrypted rest) wake no reader: come back for them after the other work.
         if self._tls and not self.closed and self._sock.pending():  # type: ignore[attr-defined]
             self._io.loop.call_soon(self._on_readable)
+
+    def _read_step(self) -> int:
+        """One read, and the frames it completes handed on; returns the bytes read, 0 when
+        there is nothing more to read now, -1 when the connection ended."""
+        parser = self._parser
+        buf = parser.get_buffer()
+        try:
+            n = self._recv_tls(buf) if self._tls else self._sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+            return 0
+        except ssl.SSLWantWriteError:
+            return 0
+        except OSError as exc:
+            message = f"lost the connection to {self.peer_label}: {exc}"
+            self._fail(PeerFailureError(message, self.peer_label))
+            return -1
+        if n == 0:
+            self._on_eof()
+            return -1
+        self.last_recv = time.monotonic()
+        try:
+            frames = parser.buffer_updated(n)
+            released = [f.transfer for f in frames if f.transfer >= 0]
+            if released:  # the reads are done: let the peer reuse that memory at once
+                self._release(released)
+            for frame in frames:
+                if frame.kind >= Kind.MEMORY_OFFER:
+                    self._on_control(frame)
+        except ProtocolError as exc:
+            _log.warning("dropping connection from %s: %s", self.peer_label, exc)
+            self._fail(exc)
+            return -1
+        except PeerFailureError as exc:
+            self._fail(exc)
+            return -1
+        for frame in frames:
+            if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
+                continue
+            if frame.kind == Kind.GOODBYE:
+                self.goodbye_received = True
+                continue
+            try:
+                self._owner.on_frame(self, frame)
+            except Exception:
+                _log.exception("error while handling a frame from %s", self.peer_label)
+        if n < len(buf) and not (self._tls and self._sock.pending()):  # type: ignore[attr-defined]
+            return 0
+        return n
 
     def _recv_tls(self, buf: memoryview) -> int:
         """Fill ``buf`` with what TLS has now: one SSL read returns at most one record (16

@@ -14,7 +14,12 @@ match -- plus torch's ``FAULTY_TENSORPIPE`` options (``messages_to_fail`` with
 * ``delay``: sent ``seconds`` later, from the sender's I/O thread (later frames may overtake it);
 * ``duplicate``: sent twice;
 * ``reorder``: held back until the next frame on the same link has gone out (or ``hold``
-  seconds passed), then sent after it.
+  seconds passed), then sent after it;
+* ``break``: the link is found dead as the frame is written (a reset socket: EPIPE): the link
+  closes and the send raises ``FrameNotSentError``; nothing is sent (the peer is suspected,
+  not condemned, so a resend connects again);
+* ``lose``: sent, then the link breaks at once (the peer may get the frame and run it; its
+  answer is lost).
 
 Controls act on the links: :meth:`FaultPlan.sever` closes the links between two workers
 abruptly (each side takes the other for dead); :meth:`FaultPlan.freeze` stops a worker's
@@ -31,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .._errors import InjectedFailureError, PeerFailureError
+from .._errors import FrameNotSentError, InjectedFailureError, PeerFailureError
 from .._wire._frames import Frame
 from ._base import (
     FrameHandler,
@@ -49,8 +54,10 @@ from ._io import IoThread
 
 __all__ = ["Action", "AppliedFault", "Fault", "FaultPlan", "FaultyLink", "FaultyTransport"]
 
-Action = Literal["fail", "drop", "delay", "duplicate", "reorder"]
-_ACTIONS: frozenset[str] = frozenset(("fail", "drop", "delay", "duplicate", "reorder"))
+Action = Literal["fail", "drop", "delay", "duplicate", "reorder", "break", "lose"]
+_ACTIONS: frozenset[str] = frozenset(
+    ("fail", "drop", "delay", "duplicate", "reorder", "break", "lose")
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +312,23 @@ class FaultyLink:
                 f"RPCErr:2:Send attempt failed intentionally for {info.type}"
             )
         if "drop" in actions:
+            return
+        if "break" in actions:
+            message = f"lost the connection to {self.peer_label} while sending: injected break"
+            error = PeerFailureError(message, self.peer_label)
+            fail_write = getattr(self.inner, "fail_write", None)
+            if fail_write is not None:
+                fail_write(error)
+            else:
+                self.inner.close(error)
+            raise FrameNotSentError(message, self.peer_label)
+        if "lose" in actions:
+            send()
+            self.inner.close(
+                PeerFailureError(
+                    f"lost the connection to {self.peer_label}: injected loss", self.peer_label
+                )
+            )
             return
         copies = 2 if "duplicate" in actions else 1
         delay = actions.get("delay")

@@ -272,8 +272,10 @@ class MemoryTransport:
         if not self.is_current(link):  # the peer restarted: its new incarnation is not judged
             self.handler.on_connection_lost(link, failure, peer_dead=True)
             return
-        if not broken_protocol and (
-            link.goodbye_received or self.config.fail_stop or not self._listening(link.peer)
+        if (
+            not broken_protocol
+            and not link.write_failed
+            and (link.goodbye_received or self.config.fail_stop or not self._listening(link.peer))
         ):
             # it shut down, or nothing listens at its address (what a reconnect would prove)
             self._dead.setdefault(link.peer, failure)

@@ -38,6 +38,8 @@ class MemoryLink:
         self._later: list[bytes] = []
         self._parser = FrameParser(transport.config.max_message_size)
         self._closed = False
+        #: closed by a failed write (:meth:`fail_write`): its peer is not condemned
+        self.write_failed = False
         self.goodbye_received = False
         self.close_error: Exception | None = None
         self.last_recv = self.last_send = time.monotonic()
@@ -157,6 +159,14 @@ class MemoryLink:
             )
 
     # -- closing -----------------------------------------------------------------------------------
+    def fail_write(self, error: PeerFailureError) -> None:
+        """Close as a socket whose write failed (the peer reset it): the peer is suspected, not
+        condemned -- a write failure proves nothing -- so a later send connects again."""
+        self.write_failed = True
+        if self.other is not None:  # (it reset the link: neither side proves anything)
+            self.other.write_failed = True
+        self.close(error)
+
     def close(self, error: Exception | None = None) -> None:
         """Close this end now (any thread); the other end sees the end of the stream."""
         with self._lock:

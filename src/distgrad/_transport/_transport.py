@@ -286,7 +286,7 @@ class SocketTransport(Accepting, Dialing):
         if not broken_protocol:
             if conn.goodbye_received or self.config.fail_stop:
                 self._dead.setdefault(conn.peer, failure)  # it shut down: proof
-            else:
+            elif self._out.get(conn.peer) is None:  # (a newer connection: it answered since)
                 self._suspected[conn.peer] = failure
         # (what waited on the peer fails either way; only the dead stay unreachable)
         self._handler.on_connection_lost(conn, failure, peer_dead=not broken_protocol)
