@@ -109,12 +109,6 @@ def frozen_rref_program(rank: int, world_size: int) -> dict[str, Any]:
     return outcome
 
 
-@pytest.mark.xfail(
-    reason="open (issue 14; passes about 3 runs in 8): after the thaw the frozen owner may "
-    "keep 1-2 forks whose users are gone (a delete or a child accept lost while it was "
-    "suspected), so its owner table does not empty and graceful shutdown times out",
-    strict=False,
-)
 def test_rref_traffic_rides_through_a_frozen_worker() -> None:
     results = run_workers(frozen_rref_program, 3, timeout=90, options=FAST, shutdown=False)
     print({r: {k: v for k, v in o.items() if k != "failures"} for r, o in results.items()})

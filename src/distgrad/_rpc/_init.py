@@ -87,9 +87,10 @@ def init_rpc(
             backend. When ``None`` it is inferred from ``rpc_backend_options``.
         rank (int): this worker's rank, ``0 <= rank < world_size``. ``-1`` (the default) with
             ``init_method="env://"`` reads ``RANK`` from the environment.
-        world_size (int, optional): number of workers in the group. ``None`` with
-            ``init_method="env://"`` reads ``WORLD_SIZE``; groups whose members join and leave
-            are not supported.
+        world_size (int, optional): number of workers in a static group. ``None`` (the
+            default) with ``init_method="env://"`` reads ``WORLD_SIZE``; without it (or with
+            ``tcp://`` or ``file://``) the worker joins a *dynamic* group whose members join
+            and leave, led by rank 0 (docs/elastic.md).
         rpc_backend_options (TensorPipeRpcBackendOptions, optional): timeouts, the rendezvous
             ``init_method`` (``env://`` by default: ``MASTER_ADDR`` and ``MASTER_PORT``; also
             ``tcp://host:port`` and ``file://path``), worker threads and distgrad's own
