@@ -156,7 +156,8 @@ def rpc_sync(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
-    func = as_rpc_target(func)
+    if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
+        func = as_rpc_target(func)
     return agent.call_sync(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
@@ -222,7 +223,8 @@ def rpc_async(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
-    func = as_rpc_target(func)
+    if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
+        func = as_rpc_target(func)
     future = agent.call_async(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
@@ -293,7 +295,8 @@ def remote(
     dst = _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
-    func = as_rpc_target(func)
+    if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
+        func = as_rpc_target(func)
     return create_remote(
         agent,
         dst,

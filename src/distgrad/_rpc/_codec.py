@@ -100,7 +100,7 @@ class Codec:
         """Refuse to send what this worker, or the peer (whose limit came with its address),
         would refuse to receive: the peer would drop the connection, and the call would fail
         without saying why, and every call on that connection with it. Returns the size."""
-        limit = self.max_message_size
+        limit = self.options.max_message_size
         peer_limit = self._peer_limits.get(dst)
         if peer_limit is not None:
             limit = peer_limit

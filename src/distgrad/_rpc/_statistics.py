@@ -108,6 +108,8 @@ class StatisticsRecorder:
         return f"StatisticsRecorder(peers={sorted(self._peers)})"
 
     def _counters(self, peer: int) -> list[int]:
+        """(Under the lock.) ``peer``'s counters, made on first use. The per-call methods
+        inline its common case: ``self._peers.get(peer) or self._counters(peer)``."""
         counters = self._peers.get(peer)
         if counters is None:
             counters = self._peers.setdefault(peer, [0] * 7)
@@ -116,7 +118,7 @@ class StatisticsRecorder:
     def sent(self, peer: int, nbytes: int) -> None:
         """A call to ``peer`` went out."""
         with self._lock:
-            counters = self._counters(peer)
+            counters = self._peers.get(peer) or self._counters(peer)
             counters[_SENT] += 1
             counters[_OUT] += nbytes
 
@@ -128,7 +130,7 @@ class StatisticsRecorder:
     def answered(self, peer: int, nbytes: int, *, failed: bool) -> None:
         """A call to ``peer`` ended (``nbytes`` of answer received)."""
         with self._lock:
-            counters = self._counters(peer)
+            counters = self._peers.get(peer) or self._counters(peer)
             counters[_IN] += nbytes
             if failed:
                 counters[_FAILED] += 1
@@ -136,12 +138,12 @@ class StatisticsRecorder:
     def request(self, peer: int, nbytes: int) -> None:
         """A request from ``peer`` arrived."""
         with self._lock:
-            self._counters(peer)[_IN] += nbytes
+            (self._peers.get(peer) or self._counters(peer))[_IN] += nbytes
 
     def replied(self, peer: int, nbytes: int, *, failed: bool) -> None:
         """A request from ``peer`` was answered."""
         with self._lock:
-            counters = self._counters(peer)
+            counters = self._peers.get(peer) or self._counters(peer)
             counters[_SERVED] += 1
             counters[_OUT] += nbytes
             if failed:

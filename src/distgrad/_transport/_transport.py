@@ -258,8 +258,9 @@ class SocketTransport(Accepting, Dialing):
 
     # -- callbacks from connections ---------------------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if conn.incarnation and not self.is_current(conn):
-            return  # a frame of a replaced incarnation (its connection is closing)
+        incarnation = conn.incarnation
+        if incarnation and self._incarnations.get(conn.peer) not in (None, incarnation):
+            return  # a frame of a replaced incarnation (its connection is closing): is_current
         self._handler.on_frame(conn, frame)
 
     def deliver(self, conn: LoopbackConnection, frame: Frame) -> None:

@@ -313,6 +313,8 @@ def encode(
     """
     if _profiler_enabled():
         return _unrecorded(_encode, obj, make_ext, device_check)
+    if make_ext is None:  # (the common case, without a call more)
+        return _encode_inline(obj, _cached, device_check)
     return _encode(obj, make_ext, device_check)
 
 
@@ -418,6 +420,8 @@ def decode(
     """
     if _profiler_enabled():
         return _unrecorded(_decode, meta, buffers, flags, on_table)
+    if not flags & HAS_TABLE:  # (the common case, without a call more)
+        return None, pickle.loads(meta, buffers=buffers)
     return _decode(meta, buffers, flags, on_table)
 
 
