@@ -314,3 +314,47 @@ def test_sent_through_rpc_and_init_from_module_rref() -> None:
     to its owner and back it still works; init_from_module_rref shares the module, here and
     when called on another worker; a subclass travels as itself."""
     assert run_workers(sharing_program, 3, timeout=90)[0] == "ok"
+
+
+def owner_grads_on_cpu(module_rref: rpc.RRef[nn.Module], cid: int) -> list[torch.Tensor]:
+    grads = dist_autograd.get_gradients(cid)
+    return [grads[p].cpu() for p in module_rref.local_value().parameters()]
+
+
+def owner_devices(module_rref: rpc.RRef[nn.Module]) -> list[str]:
+    return sorted({str(p.device) for p in module_rref.local_value().parameters()})
+
+
+def gpu_program(rank: int, world_size: int) -> str:
+    if rank != 0:
+        return "served"
+    remote = RemoteModule("worker1/cuda:0", TwoLayers, args=(11,), kwargs={"scale": 1.5})
+    assert rpc.rpc_sync("worker1", owner_devices, (remote.get_module_rref(),)) == ["cuda:0"]
+    local = _local_copy(11, 1.5)
+    x, shift = torch.randn(5, 4), torch.randn(6)
+    out, total = remote(x, shift)
+    assert out.device.type == "cpu"  # outputs come back to the caller's CPU
+    want_out, want_total = local(x, shift)
+    torch.testing.assert_close((out, total), (want_out, want_total), rtol=1e-4, atol=1e-5)
+    xr = x.clone().requires_grad_()
+    with dist_autograd.context() as cid:
+        out, total = remote(xr, shift)
+        dist_autograd.backward(cid, [(out**2).sum() + total])
+        got_x = dist_autograd.get_gradients(cid)[xr]
+        got_params = rpc.rpc_sync("worker1", owner_grads_on_cpu, (remote.get_module_rref(), cid))
+    xl = x.clone().requires_grad_()
+    out_l, total_l = local(xl, shift)
+    ((out_l**2).sum() + total_l).backward()
+    torch.testing.assert_close(got_x, xl.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        got_params, [p.grad for p in local.parameters()], rtol=1e-4, atol=1e-5
+    )
+    return "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_module_on_the_owners_gpu_matches_local() -> None:
+    """A RemoteModule on ``worker1/cuda:0``: its parameters live on the GPU, inputs move there
+    and outputs come back to the CPU; forward and distributed-autograd gradients (of the input
+    here, of the parameters on the owner) equal one-process CPU autograd's."""
+    assert run_workers(gpu_program, 2, timeout=120)[0] == "ok"

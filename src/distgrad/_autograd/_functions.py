@@ -34,8 +34,12 @@ __all__ = [
 ]
 
 _ENGINE: Any = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-_STASH = getattr(torch._C, "_stash_obj_in_tls", None)
-_UNSTASH = getattr(torch._C, "_remove_obj_from_tls", None)
+# Stashed only where it can also be removed (torch's own wrapper does both where both exist):
+# a context left in a thread's map is destroyed when that thread exits, without the GIL -- on
+# torch 2.11 (which has the stash but not the removal) the pool threads of a stopping agent
+# crashed the process (SIGSEGV).
+_UNSTASH: Any = getattr(torch._C, "_remove_obj_from_tls", None)
+_STASH: Any = getattr(torch._C, "_stash_obj_in_tls", None) if _UNSTASH is not None else None
 
 
 def run_engine(
@@ -49,15 +53,17 @@ def run_engine(
     (about 60 of 110 µs for one ``Linear``-sized node); the engine checks each root gradient's
     shape and dtype against its root itself. The contextvars stash is what the wrapper does so
     that device threads see the compiler's configuration."""
-    if _STASH is not None:
-        _STASH("context", contextvars.copy_context())
+    if _STASH is None:
+        return _ENGINE.run_backward(  # type: ignore[no-any-return]
+            tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, False
+        )
+    _STASH("context", contextvars.copy_context())
     try:
         return _ENGINE.run_backward(  # type: ignore[no-any-return]
             tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, False
         )
     finally:
-        if _UNSTASH is not None:
-            _UNSTASH("context")
+        _UNSTASH("context")
 
 
 @functools.cache
