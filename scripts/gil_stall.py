@@ -71,7 +71,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, start_at: float, que
         rpc_timeout=30,
     )
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
-    from distgrad._rpc._layer import RpcLayer, register_layer
+    from distgrad._rpc._core._layer import RpcLayer, register_layer
 
     agent = rpc._get_current_rpc_agent()
 

@@ -22,7 +22,7 @@ The classes are re-exported by ``distgrad.rpc`` (``BackwardError`` by ``distgrad
 which rewrites their ``__module__`` so that tracebacks show the public name.
 
 Exceptions raised by user functions on a remote worker are re-raised on the caller with their
-original type (see ``distgrad._rpc._remote_error``), not wrapped in this tree.
+original type (see ``distgrad._rpc._core._remote_error``), not wrapped in this tree.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def _rpc_names(events: Any) -> Names:
 def _scenarios(rank: int, world_size: int, trace_path: str) -> dict[str, Any]:
     import distgrad.autograd as dist_autograd
     import distgrad.profiler as dprof
-    from distgrad._rpc import _profiling
-    from distgrad._rpc._agent import current_agent
+    from distgrad._rpc._core import _profiling
+    from distgrad._rpc._core._agent import current_agent
 
     if rank != 0:
         return {}

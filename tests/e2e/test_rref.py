@@ -157,7 +157,7 @@ def test_life_cycle_across_four_workers() -> None:
 
 def back_to_owner(rank: int, world_size: int) -> dict[str, Any]:
     """worker0 sends its UserRRef to the owner in 50 calls (the batch RL agent's pattern)."""
-    from distgrad._rpc._agent import current_agent
+    from distgrad._rpc._core._agent import current_agent
 
     out: dict[str, Any] = {}
     if rank == 0:

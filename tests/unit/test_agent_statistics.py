@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
-from distgrad._rpc._statistics import AgentState, AgentStatistics
-from distgrad._rpc._world import open_world
+from distgrad._rpc._core._statistics import AgentState, AgentStatistics
+from distgrad._testing._world import open_world
 
 
 def double(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
-from distgrad._rpc._worker_info import validate_worker_name
+from distgrad._rpc._core._worker_info import validate_worker_name
 
 NOT_INITIALIZED = re.escape(
     "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
@@ -288,7 +288,7 @@ def test_init_rpc_cannot_infer_a_backend(options: Any) -> None:
 
 def test_backend_is_inferred_from_options() -> None:
     """Options of the TensorPipe type (distgrad's or torch's) infer TENSORPIPE."""
-    from distgrad._rpc._options import infer_backend
+    from distgrad._rpc._core._options import infer_backend
 
     assert infer_backend(rpc.TensorPipeRpcBackendOptions()) is rpc.BackendType.TENSORPIPE
     torch_options = torch.distributed.rpc.TensorPipeRpcBackendOptions()

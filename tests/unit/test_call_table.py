@@ -1,4 +1,4 @@
-"""Unit tests of the agent's calls table (``distgrad._rpc._call_table``) on the in-memory
+"""Unit tests of the agent's calls table (``distgrad._rpc._core._call_table``) on the in-memory
 transport: calls inserted by many threads while a peer failure fails them all end failed."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 import distgrad.rpc as rpc
 from distgrad._errors import PeerFailureError
-from distgrad._rpc._call_table import CallTable
-from distgrad._rpc._calls import _Call
-from distgrad._rpc._world import open_world, world_options
+from distgrad._rpc._core._call_table import CallTable
+from distgrad._rpc._core._calls import _Call
+from distgrad._testing._world import open_world, world_options
 
 _release = threading.Event()
 

@@ -1,5 +1,5 @@
-"""The RPC layer's one hook protocol (``_rpc._layer``): registration order, idempotence, roles,
-lifecycle hooks, a failing layer; and torch is patched only once profiling can be used."""
+"""The RPC layer's one hook protocol (``_rpc._core._layer``): registration order, idempotence,
+roles, lifecycle hooks, a failing layer; and torch is patched only once profiling can be used."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import distgrad.autograd  # noqa: F401  (registers its layer)
 import distgrad.rpc as rpc
 from distgrad._autograd._layer import AutogradLayer
 from distgrad._profiler._layer import ProfilingLayer
-from distgrad._rpc import _layer
-from distgrad._rpc._agent import RpcAgent
-from distgrad._rpc._layer import RpcLayer, register_layer, unregister_layer
-from distgrad._rpc._world import open_world
+from distgrad._rpc._core import _layer
+from distgrad._rpc._core._agent import RpcAgent
+from distgrad._rpc._core._layer import RpcLayer, register_layer, unregister_layer
+from distgrad._testing._world import open_world
 
 
 class Probe(RpcLayer):
@@ -227,7 +227,7 @@ before = {{name: get(name) for name in names}}
 import distgrad.rpc, distgrad.autograd, distgrad.profiler
 assert all(get(name) is before[name] for name in names), "patched at import"
 if sys.argv[1] == "agent":  # a torch-style program: init_rpc, then torch's own profiler
-    from distgrad._rpc._world import open_world
+    from distgrad._testing._world import open_world
     with open_world(2) as world:
         assert all(get(name) is not before[name] for name in names), "not patched at start"
         def step(rank):

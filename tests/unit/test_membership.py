@@ -14,8 +14,8 @@ import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad._autograd._context import CONTAINER
 from distgrad._errors import PeerFailureError
-from distgrad._rpc._agent import current_agent
-from distgrad._rpc._world import World, open_world
+from distgrad._rpc._core._agent import current_agent
+from distgrad._testing._world import World, open_world
 
 
 def whoami() -> str:

@@ -1,4 +1,4 @@
-"""Reliable control notices (``_rpc/_outbox.py``) on in-memory worlds under injected faults:
+"""Reliable control notices (``_rpc/_rrefs/_outbox.py``) on in-memory worlds under injected faults:
 every notice runs once on the receiver, in the order sent, and the sender's outbox ends empty --
 whether the notice or its acknowledgement is dropped, duplicated, delayed or reordered."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from distgrad._rpc._agent import current_agent
-from distgrad._rpc._outbox import outbox_of
+from distgrad._rpc._core._agent import current_agent
+from distgrad._rpc._rrefs._outbox import outbox_of
 from distgrad.testing import Fault, open_world, world_options
 
 N = 8

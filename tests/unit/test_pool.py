@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from distgrad._rpc._pool import ThreadPool
+from distgrad._rpc._core._pool import ThreadPool
 
 pytestmark = pytest.mark.timeout(30)
 

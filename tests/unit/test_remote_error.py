@@ -1,4 +1,4 @@
-"""Unit tests of what an ERROR reply carries (``distgrad._rpc._remote_error``): building the
+"""Unit tests of what an ERROR reply carries (``distgrad._rpc._core._remote_error``): building the
 payload never raises, and the caller rebuilds torch's errors from it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from distgrad._rpc._remote_error import error_payload, exception_from_payload
+from distgrad._rpc._core._remote_error import error_payload, exception_from_payload
 
 
 class BadRepr(Exception):

@@ -1,4 +1,4 @@
-"""Unit tests of TorchScript functions in messages (``distgrad._rpc._torchscript``): they
+"""Unit tests of TorchScript functions in messages (``distgrad._rpc._core._torchscript``): they
 travel by qualified name and come back as the same function."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
-from distgrad._rpc._torchscript import AsyncScriptFunction, as_rpc_target, script_function
+from distgrad._rpc._core._torchscript import AsyncScriptFunction, as_rpc_target, script_function
 from distgrad._wire._pickler import dumps, loads
 
 

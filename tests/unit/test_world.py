@@ -1,4 +1,4 @@
-"""Unit tests of in-memory worlds (``distgrad._rpc._world``, ``_transport/_inmemory``): several
+"""Unit tests of in-memory worlds (``distgrad._testing._world``, ``_transport/_inmemory``): several
 agents in one process, over the real pickler, frame parser and threads, without sockets."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad._autograd._context import CONTAINER
 from distgrad._errors import PeerFailureError
-from distgrad._rpc._agent import current_agent
-from distgrad._rpc._world import WorldTimeout, open_world, world_options
+from distgrad._rpc._core._agent import current_agent
+from distgrad._testing._world import WorldTimeout, open_world, world_options
 from distgrad._wire._frames import Kind
 
 

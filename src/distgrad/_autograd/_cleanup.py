@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import DistgradError, RpcShutdownError
-from .._rpc import _profiling
-from .._rpc._agent import current_agent
-from .._rpc._current import bind_thread
-from .._rpc._functions import after_current_task
+from .._rpc._core import _profiling
+from .._rpc._core._agent import current_agent
+from .._rpc._core._current import bind_thread
+from .._rpc._core._functions import after_current_task
 from ._context import _ID_BITS, CONTAINER, DistAutogradContext
 from ._engine import BackwardError
 
 if TYPE_CHECKING:
-    from .._rpc._agent import RpcAgent
+    from .._rpc._core._agent import RpcAgent
 
 __all__ = ["after_release", "release_orphans"]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from types import TracebackType
 
-from .._rpc._agent import thread_binding
+from .._rpc._core._agent import thread_binding
 from ._context_state import DistAutogradContext
 
 __all__ = [
@@ -258,7 +258,7 @@ class WorkerContainer:
     In a process with one agent -- every real run -- that is the process's own container
     (:attr:`process`), whatever the thread. An in-memory test world runs several agents in one
     process; each is *isolated*, and every thread it owns (and each thread the world runs a
-    worker's code on) is bound to it (``_rpc._agent.bind_thread``): such a thread gets its
+    worker's code on) is bound to it (``_rpc._core._agent.bind_thread``): such a thread gets its
     agent's own container, created on first use. The cost where no thread is bound: one
     thread-local read per call."""
 

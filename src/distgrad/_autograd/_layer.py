@@ -1,4 +1,4 @@
-"""Distributed autograd as a layer of the RPC layer (``_rpc._layer``): it records calls
+"""Distributed autograd as a layer of the RPC layer (``_rpc._core._layer``): it records calls
 (forward recording, ``_recording``), names its messages, initialises the context container
 when an agent starts, fails the passes that wait on a lost peer and runs ``RRef.backward``.
 ``distgrad.autograd`` registers it when imported."""
@@ -15,7 +15,7 @@ from ._context import CONTAINER
 from ._recording import AutogradRecording
 
 if TYPE_CHECKING:
-    from .._rpc._agent import RpcAgent
+    from .._rpc._core._agent import RpcAgent
 
 __all__ = ["AutogradLayer"]
 

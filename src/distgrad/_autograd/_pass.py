@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .._errors import DistgradError
-from .._rpc import _profiling
-from .._rpc._agent import current_agent
+from .._rpc._core import _profiling
+from .._rpc._core._agent import current_agent
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.autograd import profiler_legacy
 
-from .._rpc._agent import current_agent
-from .._rpc._calls import check_async_result, is_builtin
+from .._rpc._core._agent import current_agent
+from .._rpc._core._calls import check_async_result, is_builtin
 from ._records import CallRecord, Event, RemoteProfile, Session, pop, push
 
 __all__ = ["SETTLE_GRACE_S", "serve", "serve_async"]

@@ -1,4 +1,4 @@
-"""The profiler as a layer of the RPC layer (``_rpc._layer``): it profiles calls made while
+"""The profiler as a layer of the RPC layer (``_rpc._core._layer``): it profiles calls made while
 torch's profiler is enabled on the calling thread, and serves the callee's side.
 
 torch's profiler classes are wrapped (``_torch_hooks``) only once profiling can be used: when
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from .._rpc._layer import RpcLayer, register_layer
-from .._rpc._profiling import KeyScope
-from .._rpc._worker_info import WorkerInfo
+from .._rpc._core._layer import RpcLayer, register_layer
+from .._rpc._core._profiling import KeyScope
+from .._rpc._core._worker_info import WorkerInfo
 from . import _callee, _caller, _torch_hooks
 from ._keys import build_rpc_profiling_key, func_name
 
 if TYPE_CHECKING:
-    from .._rpc._agent import RpcAgent
+    from .._rpc._core._agent import RpcAgent
 
 __all__ = ["ProfilingLayer", "register"]
 

@@ -28,7 +28,7 @@ from typing import Any
 from torch.autograd import profiler as autograd_profiler
 from torch.autograd import profiler_legacy, profiler_util
 
-from .._rpc._agent import current_agent
+from .._rpc._core._agent import current_agent
 from ._records import Event, Session, pop, push
 
 __all__ = ["install", "session_of", "time_base_ns"]

@@ -20,7 +20,6 @@ from .._errors import (
     RpcTimeoutError,
 )
 from .._rpc import _api as _api_impl
-from .._rpc import _options as _options_impl
 from .._rpc._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -30,9 +29,8 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
-from .._rpc._events import MembershipEvent
-from .._rpc._membership import add_membership_listener, members, remove_membership_listener
-from .._rpc._options import (
+from .._rpc._core import _options as _options_impl
+from .._rpc._core._options import (
     BackendValue,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
@@ -40,10 +38,12 @@ from .._rpc._options import (
     construct_rpc_backend_options,
     register_backend,
 )
-from .._rpc._remote_error import RemoteTraceback
-from .._rpc._rref import RRef
-from .._rpc._statistics import AgentState, AgentStatistics, PeerStatistics
-from .._rpc._worker_info import WorkerInfo
+from .._rpc._core._remote_error import RemoteTraceback
+from .._rpc._core._statistics import AgentState, AgentStatistics, PeerStatistics
+from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._group._events import MembershipEvent
+from .._rpc._group._membership import add_membership_listener, members, remove_membership_listener
+from .._rpc._rrefs._rref import RRef
 from . import api, backend_registry, constants, functions
 
 __all__ = [

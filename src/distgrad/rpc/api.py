@@ -1,9 +1,6 @@
 """``distgrad.rpc.api`` (as ``torch.distributed.rpc.api``): the group helpers."""
 
 from .._rpc import _api as _api_impl
-from .._rpc import _collectives
-from .._rpc._agent import RpcAgent as _RpcAgent
-from .._rpc._agent import current_agent as _current_agent
 from .._rpc._api import (
     get_worker_info,
     init_rpc,
@@ -12,7 +9,10 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
-from .._rpc._rref import RRef
+from .._rpc._core._agent import RpcAgent as _RpcAgent
+from .._rpc._core._agent import current_agent as _current_agent
+from .._rpc._group import _collectives
+from .._rpc._rrefs._rref import RRef
 
 __all__ = ["RRef", "get_worker_info", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._rpc import _options
-from .._rpc._options import (
+from .._rpc._core import _options
+from .._rpc._core._options import (
     BackendValue,
     backend_registered,
     construct_rpc_backend_options,

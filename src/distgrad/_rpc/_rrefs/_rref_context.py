@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._functions import on_io_thread
-from ._messages import message_type
+from .._core._functions import on_io_thread
+from .._core._messages import message_type
 from ._outbox import outbox_of
 from ._rref_values import RREF_TIMED_OUT, GloballyUniqueId, OwnerValue
 
 if TYPE_CHECKING:
-    from ._agent import RpcAgent
+    from .._core._agent import RpcAgent
     from ._rref import RRef
 
 __all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext", "RemoteCreation"]
@@ -380,7 +380,7 @@ class RRefContext:
 
 
 def _context() -> RRefContext | None:
-    from ._agent import current_agent
+    from .._core._agent import current_agent
 
     agent = current_agent()
     return agent.rrefs if agent is not None else None

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from .._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
-from .._wire._pickler import register_reducer
-from ._agent import current_agent
-from ._calls import fresh_copy
+from ..._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
+from ..._wire._pickler import register_reducer
+from .._core._agent import current_agent
+from .._core._calls import fresh_copy
+from .._core._worker_info import WorkerInfo
 from ._rref_context import (
     RREF_TIMED_OUT,
     GloballyUniqueId,
@@ -41,7 +42,6 @@ from ._rref_owner import (
     _script_rref_fetch,
     _wait_blocking,
 )
-from ._worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from ._rref_proxy import RRefProxy

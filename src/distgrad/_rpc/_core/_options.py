@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .. import _config
-from .._transport._faulty import Fault, FaultPlan
+from ... import _config
+from ..._transport._faulty import Fault, FaultPlan
 from ._messages import MESSAGE_TYPES
 
 __all__ = [

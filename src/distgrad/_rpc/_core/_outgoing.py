@@ -4,7 +4,7 @@ failure or the agent stopping -- completes or fails it, for whoever waits: the c
 (``rpc_sync``), a future completed on a callback thread (``rpc_async``), or an internal
 callback run where the answer arrives (``call_internal``).
 
-:class:`Outgoing` is a part of :class:`~distgrad._rpc._agent.RpcAgent`; the attributes it
+:class:`Outgoing` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
 declares are the agent's."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import (
+from ..._errors import (
     MAYBE_RUN,
     FrameNotSentError,
     InjectedFailureError,
@@ -26,10 +26,10 @@ from .._errors import (
     RpcTimeoutError,
     rpc_timeout_message,
 )
-from .._transport._base import Link, Transport
-from .._transport._io import IoThread
-from .._wire._frames import Frame, Kind
-from .._wire._pickler import decode, encode, loads
+from ..._transport._base import Link, Transport
+from ..._transport._io import IoThread
+from ..._wire._frames import Frame, Kind
+from ..._wire._pickler import decode, encode, loads
 from . import _extension, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error

@@ -47,10 +47,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import _config
-from .._errors import PeerFailureError, RpcShutdownError
-from .._omp import join_openmp_runtime
-from .._transport._base import (
+from ... import _config
+from ..._errors import PeerFailureError, RpcShutdownError
+from ..._omp import join_openmp_runtime
+from ..._transport._base import (
     Link,
     PeerAddress,
     Transport,
@@ -58,17 +58,17 @@ from .._transport._base import (
     TransportFactory,
     TransportStatistics,
 )
-from .._transport._io import IoThread
-from .._wire._frames import Frame, Kind
+from ..._transport._io import IoThread
+from ..._wire._frames import Frame, Kind
+from .._group._events import MembershipEvent, MembershipKind
+from .._rrefs._rref_context import RRefContext
 from . import _layer
 from ._call_table import CallTable
 from ._codec import Codec
 from ._current import bind_thread, current_agent, set_current_agent, thread_binding
-from ._events import MembershipEvent, MembershipKind
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
 from ._pool import ThreadPool
-from ._rref_context import RRefContext
 from ._serving import Serving
 from ._statistics import AgentState, AgentStatistics, StatisticsRecorder
 from ._worker_info import WorkerInfo

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _layer
-from ._agent import RpcAgent, current_agent
-from ._functions import async_execution
-from ._messages import message_type
+from .._core import _layer
+from .._core._agent import RpcAgent, current_agent
+from .._core._functions import async_execution
+from .._core._messages import message_type
 from ._rref_context import (
     GloballyUniqueId,
     OwnerValue,

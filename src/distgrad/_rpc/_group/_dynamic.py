@@ -30,12 +30,12 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from .._errors import DistgradError
-from .._transport._base import PeerAddress
+from ..._errors import DistgradError
+from ..._transport._base import PeerAddress
+from .._core._agent import RpcAgent, current_agent
+from .._core._options import TensorPipeRpcBackendOptions
+from .._core._worker_info import WorkerInfo
 from . import _rendezvous
-from ._agent import RpcAgent, current_agent
-from ._options import TensorPipeRpcBackendOptions
-from ._worker_info import WorkerInfo
 
 __all__ = ["join_group", "leave_group", "open_dynamic_store"]
 

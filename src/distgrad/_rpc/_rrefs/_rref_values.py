@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._calls import set_future_error
+from .._core._calls import set_future_error
 
 __all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue"]
 

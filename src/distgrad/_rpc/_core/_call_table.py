@@ -15,7 +15,7 @@ import itertools
 import threading
 from collections.abc import Iterator
 
-from .._transport._base import Link
+from ..._transport._base import Link
 from ._calls import _Call
 
 __all__ = ["TICK", "CallTable"]

@@ -12,17 +12,17 @@ from typing import Any
 
 import torch
 
-from .._errors import InjectedFailureError, RpcTimeoutError
-from . import _profiling
-from ._agent import RpcAgent
-from ._calls import is_builtin, set_future_error
-from ._functions import async_execution
-from ._messages import is_script, message_type
-from ._remote_error import report_udf_error
+from ..._errors import InjectedFailureError, RpcTimeoutError
+from .._core import _profiling
+from .._core._agent import RpcAgent
+from .._core._calls import is_builtin, set_future_error
+from .._core._functions import async_execution
+from .._core._messages import is_script, message_type
+from .._core._remote_error import report_udf_error
+from .._core._worker_info import WorkerInfo
 from ._rref import RRef
 from ._rref_context import OwnerValue, RemoteCreation
 from ._rref_owner import _agent_or_raise, _done_future
-from ._worker_info import WorkerInfo
 
 __all__ = ["create_remote"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._wire._pickler import register_reducer
+from ..._wire._pickler import register_reducer
 
 __all__ = ["AsyncScriptFunction", "ScriptFunction", "as_rpc_target", "is_script_function"]
 

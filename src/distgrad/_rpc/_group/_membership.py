@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._agent import RpcAgent, current_agent
+from .._core._agent import RpcAgent, current_agent
+from .._core._worker_info import WorkerInfo
 from ._events import MembershipEvent
-from ._worker_info import WorkerInfo
 
 __all__ = ["add_membership_listener", "members", "remove_membership_listener"]
 

@@ -18,11 +18,11 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from .. import _config
-from .._transport._transport import PeerAddress
+from ... import _config
+from ..._transport._transport import PeerAddress
+from .._core._options import TensorPipeRpcBackendOptions
+from .._core._worker_info import WorkerInfo
 from ._addresses import listen_host_for
-from ._options import TensorPipeRpcBackendOptions
-from ._worker_info import WorkerInfo
 
 __all__ = [
     "ClusterSecret",

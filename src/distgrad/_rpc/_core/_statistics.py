@@ -8,7 +8,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .._transport._base import TransportStatistics
+from ..._transport._base import TransportStatistics
 
 __all__ = ["AgentState", "AgentStatistics", "PeerStatistics", "StatisticsRecorder"]
 

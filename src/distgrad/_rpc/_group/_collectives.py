@@ -15,8 +15,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from .._errors import DistgradError, PeerFailureError, RpcTimeoutError
-from ._agent import RpcAgent, current_agent
+from ..._errors import DistgradError, PeerFailureError, RpcTimeoutError
+from .._core._agent import RpcAgent, current_agent
 
 __all__ = ["all_gather", "all_gather_survivors", "barrier", "wait_all_workers"]
 

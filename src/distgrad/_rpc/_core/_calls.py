@@ -16,8 +16,8 @@ from ._pool import ThreadPool
 from ._remote_error import remember_traceback
 
 if TYPE_CHECKING:
-    from .._transport._base import Link
-    from .._wire._frames import Frame
+    from ..._transport._base import Link
+    from ..._wire._frames import Frame
 
 __all__ = [
     "RpcFuture",

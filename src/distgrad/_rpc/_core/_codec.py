@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .._errors import MessageTooLargeError
-from .._transport._base import PeerAddress
-from .._wire._pickler import Encoded
+from ..._errors import MessageTooLargeError
+from ..._transport._base import PeerAddress
+from ..._wire._pickler import Encoded
 from ._options import TensorPipeRpcBackendOptions
 from ._worker_info import WorkerInfo
 

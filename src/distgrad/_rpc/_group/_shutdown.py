@@ -9,11 +9,12 @@ import os
 import sys
 import time
 
-from .. import _config
-from .._errors import RpcTimeoutError
-from . import _collectives, _dynamic, _layer
-from ._agent import RpcAgent, current_agent, set_current_agent
-from ._current import require_agent
+from ... import _config
+from ..._errors import RpcTimeoutError
+from .._core import _layer
+from .._core._agent import RpcAgent, current_agent, set_current_agent
+from .._core._current import require_agent
+from . import _collectives, _dynamic
 
 __all__ = ["shutdown"]
 

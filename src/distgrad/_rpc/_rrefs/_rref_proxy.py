@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _api
-from ._calls import set_future_error
-from ._functions import async_execution
+from .. import _api
+from .._core._calls import set_future_error
+from .._core._functions import async_execution
 
 if TYPE_CHECKING:
     from ._rref import RRef

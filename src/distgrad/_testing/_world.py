@@ -27,15 +27,15 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from .._rpc import _api
+from .._rpc._core._agent import RpcAgent, bind_thread, current_agent
+from .._rpc._core._options import TensorPipeRpcBackendOptions
+from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._group._dynamic import announce_join
+from .._rpc._group._rendezvous import address_record
 from .._transport._base import TransportFactory
 from .._transport._faulty import Fault, FaultPlan, FaultyTransport
 from .._transport._inmemory import MemoryNetwork
-from . import _api
-from ._agent import RpcAgent, bind_thread, current_agent
-from ._dynamic import announce_join
-from ._options import TensorPipeRpcBackendOptions
-from ._rendezvous import address_record
-from ._worker_info import WorkerInfo
 
 __all__ = ["World", "WorldTimeout", "open_world", "worker_thread", "world_options"]
 

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 
-from .. import _config
-from .._transport._base import TransportFactory
-from .._transport._faulty import FaultyTransport
-from .._transport._transport import SocketTransport
-from . import _dynamic, _rendezvous
-from ._agent import RpcAgent, current_agent, set_current_agent
-from ._options import (
+from ... import _config
+from ..._transport._base import TransportFactory
+from ..._transport._faulty import FaultyTransport
+from ..._transport._transport import SocketTransport
+from .._core._agent import RpcAgent, current_agent, set_current_agent
+from .._core._options import (
     BackendType,
     FaultyTensorPipeRpcBackendOptions,
     RpcBackendOptions,
@@ -26,8 +25,9 @@ from ._options import (
     infer_backend,
     is_backend_type,
 )
+from .._core._worker_info import validate_worker_name
+from . import _dynamic, _rendezvous
 from ._shutdown import _register_exit_hook
-from ._worker_info import validate_worker_name
 
 __all__ = ["init_rpc", "init_rpc_backend"]
 

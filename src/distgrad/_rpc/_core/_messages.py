@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._transport._base import MessageInfo
+from ..._transport._base import MessageInfo
 from ._calls import is_builtin
 
 __all__ = [

@@ -29,11 +29,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._functions import on_io_thread
-from ._messages import describe_request, function_name, message_type
+from .._core._functions import on_io_thread
+from .._core._messages import describe_request, function_name, message_type
 
 if TYPE_CHECKING:
-    from ._agent import RpcAgent
+    from .._core._agent import RpcAgent
 
 __all__ = ["Outbox", "outbox_of"]
 
@@ -122,7 +122,7 @@ class Outbox:
             self._timer.start()
 
     def _resend_loop(self) -> None:
-        from ._agent import bind_thread  # (the agent imports this module)
+        from .._core._agent import bind_thread  # (the agent imports this module)
 
         agent = self._agent()
         if agent is None:
@@ -247,7 +247,7 @@ def _reliable_notice(
     """On the receiver: notice number ``seq`` of worker ``src`` (its ``src_incarnation``), meant
     for ``dst_incarnation`` of this worker (0: whichever). I/O thread: the handlers of reliable
     notices are quick and never block."""
-    from ._agent import current_agent
+    from .._core._agent import current_agent
 
     agent = current_agent()
     if agent is not None:
@@ -258,7 +258,7 @@ def _reliable_notice(
 @on_io_thread
 def _reliable_ack(src: int, incarnation: int, upto: int) -> None:
     """On the sender: ``src`` ran every notice of this worker's ``incarnation`` up to ``upto``."""
-    from ._agent import current_agent
+    from .._core._agent import current_agent
 
     agent = current_agent()
     if agent is not None:

@@ -3,7 +3,7 @@ where it is decoded, waits until the owners confirmed the RRefs in its arguments
 answered (its result encoded as a response, or its error as an error reply); a one-way
 notification runs its handler where it is marked to.
 
-:class:`Serving` is a part of :class:`~distgrad._rpc._agent.RpcAgent`; the attributes it
+:class:`Serving` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
 declares are the agent's."""
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import DistgradError, RpcShutdownError, RpcTimeoutError, rpc_timeout_message
-from .._transport._base import Link, MessageInfo
-from .._wire._frames import Frame, Kind
-from .._wire._pickler import decode, dumps, encode, loads
+from ..._errors import DistgradError, RpcShutdownError, RpcTimeoutError, rpc_timeout_message
+from ..._transport._base import Link, MessageInfo
+from ..._wire._frames import Frame, Kind
+from ..._wire._pickler import decode, dumps, encode, loads
+from .._rrefs._rref_context import RRefContext
 from . import _extension
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
 from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
-from ._rref_context import RRefContext
 from ._statistics import AgentState, StatisticsRecorder
 from ._torchscript import is_script_function
 from ._worker_info import WorkerInfo

@@ -1,0 +1,1 @@
+"""The group: rendezvous, init and shutdown, dynamic membership, collectives."""
