@@ -330,6 +330,8 @@ class WorkerContainer:
         return self.get().current_context()
 
     def current_context_id(self) -> int:
+        if thread_binding.agent is None:  # (every RPC asks: no call in a process of one agent)
+            return self.process._local.context_id  # type: ignore[no-any-return]
         return self.get().current_context_id()
 
     def has_current_context(self) -> bool:

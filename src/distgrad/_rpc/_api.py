@@ -40,6 +40,8 @@ To = str | int | WorkerInfo
 _agent = require_agent
 
 
+# ``rpc_sync``, ``rpc_async`` and ``remote`` check it on their first line instead (the same
+# error, without a wrapper's calls on every RPC).
 def _require_initialized(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -88,7 +90,6 @@ def _to_worker_info(agent: RpcAgent, to: To) -> WorkerInfo:
 _wait_all_state = threading.local()
 
 
-@_require_initialized
 def rpc_sync(
     to: To,
     func: Callable[..., Any],
@@ -161,7 +162,6 @@ def rpc_sync(
     )
 
 
-@_require_initialized
 def rpc_async(
     to: To,
     func: Callable[..., Any],
@@ -232,7 +232,6 @@ def rpc_async(
     return future
 
 
-@_require_initialized
 def remote(
     to: To,
     func: Callable[..., Any],

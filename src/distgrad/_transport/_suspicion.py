@@ -59,7 +59,8 @@ class PeerVerdicts:
         self._dead: dict[int, PeerFailureError] = {}
         self._suspected: dict[int, PeerFailureError] = {}
         self._unreachable: dict[int, tuple[float, PeerFailureError]] = {}
-        self._incarnations: dict[int, int] = {}
+        #: the incarnation known for each rank (read on every frame: see :meth:`is_current`)
+        self.incarnations: dict[int, int] = {}
         self._retired: set[tuple[int, int]] = set()
 
     # -- reading -------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class PeerVerdicts:
     def know_incarnation(self, rank: int, incarnation: int) -> None:
         """The incarnation published for ``rank`` by the rendezvous (unless one is known)."""
         if incarnation:
-            self._incarnations.setdefault(rank, incarnation)
+            self.incarnations.setdefault(rank, incarnation)
 
     def note_incarnation(self, rank: int, incarnation: int) -> tuple[bool, PeerFailureError | None]:
         """A peer of ``rank`` presented ``incarnation``. Returns ``(accepted, restarted)``:
@@ -147,8 +148,8 @@ class PeerVerdicts:
         with self._lock:
             if (rank, incarnation) in self._retired:
                 return False, None
-            known = self._incarnations.get(rank)
-            self._incarnations[rank] = incarnation
+            known = self.incarnations.get(rank)
+            self.incarnations[rank] = incarnation
             if known is None or known == incarnation:
                 return True, None
             self._retired.add((rank, known))
@@ -166,7 +167,7 @@ class PeerVerdicts:
     def is_current(self, rank: int, incarnation: int) -> bool:
         """Whether a connection of ``rank``'s ``incarnation`` (0: unknown) belongs to the
         incarnation known now."""
-        return not incarnation or self._incarnations.get(rank) in (None, incarnation)
+        return not incarnation or self.incarnations.get(rank) in (None, incarnation)
 
     def is_retired(self, rank: int, incarnation: int) -> bool:
         """Whether ``incarnation`` of ``rank`` was replaced."""

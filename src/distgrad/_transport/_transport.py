@@ -215,7 +215,8 @@ class SocketTransport(Accepting, Dialing):
 
     # -- callbacks from connections ---------------------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        if conn.incarnation and not self._verdicts.is_current(conn.peer, conn.incarnation):
+        incarnation = conn.incarnation  # (is_current, inline: this runs for every frame)
+        if incarnation and self._verdicts.incarnations.get(conn.peer) not in (None, incarnation):
             return  # a frame of a replaced incarnation (its connection is closing)
         self._handler.on_frame(conn, frame)
 

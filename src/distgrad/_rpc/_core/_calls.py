@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.jit._builtins import _find_builtin as _find_builtin_untyped
+from torch.jit._builtins import _get_builtin_table
 
 from ._pool import ThreadPool
 from ._remote_error import remember_traceback
@@ -28,15 +28,25 @@ __all__ = [
     "set_future_error",
 ]
 
-_find_builtin: Callable[[Any], Any] = _find_builtin_untyped
+#: torch's table of builtin operators by ``id`` (built on first use, then only added to: the
+#: same dict is kept, so a reference to it stays current)
+_builtins: dict[int, Any] | None = None
 
 
 def is_builtin(func: Any) -> bool:
-    """True for torch operators that the reference runs as builtins (e.g. ``torch.add``)."""
-    try:
-        return _find_builtin(func) is not None
-    except Exception:
-        return False
+    """True for torch operators that the reference runs as builtins (e.g. ``torch.add``): what
+    ``torch.jit._builtins._find_builtin`` answers, in one dict lookup."""
+    table = _builtins
+    if table is None:
+        table = _load_builtins()
+    return id(func) in table
+
+
+def _load_builtins() -> dict[int, Any]:
+    global _builtins
+    table: dict[int, Any] = _get_builtin_table()  # type: ignore[no-untyped-call]
+    _builtins = table
+    return table
 
 
 def check_async_result(future: Any) -> Any:
