@@ -7,6 +7,7 @@ Layers, each using only the ones listed before it (never the other way round)::
     _rpc        the agent: rendezvous, calls, futures, shutdown   (calls <-> messages)
     autograd    contexts, send/recv functions, backward engine     (later)
     optim, nn   DistributedOptimizer, RemoteModule (on rpc, autograd)
+    _patch      the switch that makes distgrad torch's RPC (on all of them, like the CLI)
 
 The public, torch-shaped modules are :mod:`distgrad.rpc`, :mod:`distgrad.autograd`,
 :mod:`distgrad.optim` and :mod:`distgrad.nn`; everything with a leading underscore is private.
@@ -16,4 +17,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["__version__"]
+# light: importing it imports neither torch nor the RPC (the start-up hook imports it)
+from ._patch import patch_torch, patched
+
+__all__ = ["__version__", "patch_torch", "patched"]
