@@ -150,7 +150,7 @@ def test_a_failing_patch_warns_and_the_process_runs() -> None:
     code = textwrap.dedent(
         """
         import warnings
-        import distgrad._patch as p
+        import distgrad._patch._api as p
         from distgrad._patch import _startup
         def boom(): raise OSError("disk on fire")
         p.patch_torch = boom
@@ -203,3 +203,34 @@ def test_unmodified_torch_program_trains(tmp_path: Path, patch: bool, hide: bool
     assert first["rpc_async_int"] == [2.0, 2.0] and first["rpc_sync_int"] == [2.0]
     assert first["require_initialized"] == "ran"
     assert first["all_gather_states"] == ["dict", False]
+
+
+@pytest.mark.timeout(120)
+def test_distgrad_run_patch_torch_and_the_init_log_line(tmp_path: Path) -> None:
+    """``distgrad run --patch-torch`` runs a torch-only script's workers on distgrad, and each
+    worker's ``init_rpc`` logs which RPC runs."""
+    script = tmp_path / "torch_workers.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import logging, sys
+            logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+            import torch.distributed.rpc as rpc
+            import os
+            rpc.init_rpc(f"w{os.environ['RANK']}")
+            print("RPC", sys.modules["torch.distributed.rpc"].__name__, os.environ["RANK"])
+            rpc.shutdown()
+            """
+        )
+    )
+    result = run_python(
+        ["-m", "distgrad", "run", "--patch-torch", "-n", "2", str(script)],
+        patch_env(patch=False),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"RPC distgrad.rpc {rank}" in result.stdout, result.stdout
+        assert (
+            f"init_rpc: worker 'w{rank}' (rank {rank}) runs distgrad's RPC; "
+            "torch.distributed.rpc is distgrad's (patched)"
+        ) in result.stdout, result.stdout

@@ -9,29 +9,32 @@
 
 from __future__ import annotations
 
+# Imported at interpreter start-up when the variable is set: only modules every interpreter
+# has loaded by then (importlib.abc and typing would cost tens of milliseconds here).
+import _thread
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
+    Callback = Callable[[ModuleType], None]
 
 __all__ = ["after_import", "alias"]
 
-Callback = Callable[[ModuleType], None]
 
-
-class _AliasLoader(importlib.abc.Loader):
+class _AliasLoader:
     """Loads a torch name as an already-imported distgrad module (no code runs)."""
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module
         self.spec = module.__spec__
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
         return self.module
 
     def exec_module(self, module: ModuleType) -> None:
@@ -39,9 +42,11 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self.spec
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
+    """The ``sys.meta_path`` finder (a MetaPathFinder by protocol)."""
+
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = _thread.RLock()
         self.exact: dict[str, str] = {}
         self.prefixes: dict[str, str] = {}
         self.after: dict[str, list[Callback]] = {}
@@ -61,7 +66,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         fullname: str,
         path: Sequence[str] | None,
         target: ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
+    ) -> ModuleSpec | None:
         name = self.target(fullname)
         if name is not None:
             try:
@@ -75,7 +80,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                     f"{name!r} (docs/libraries.md)",
                     name=fullname,
                 ) from None
-            return importlib.util.spec_from_loader(fullname, _AliasLoader(module))
+            return ModuleSpec(fullname, _AliasLoader(module))  # type: ignore[arg-type]
         with self.lock:
             callbacks = self.after.pop(fullname, None)
         if callbacks is None:
@@ -92,13 +97,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def _find_elsewhere(
     finder: _Finder, fullname: str, path: Sequence[str] | None, target: ModuleType | None
-) -> importlib.machinery.ModuleSpec | None:
+) -> ModuleSpec | None:
     """The spec the other finders give (what the import would have used without us)."""
     for other in list(sys.meta_path):
         find = getattr(other, "find_spec", None)
         if other is finder or find is None:
             continue
-        spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
+        spec: ModuleSpec | None = find(fullname, path, target)
         if spec is not None:
             return spec
     return None
@@ -123,7 +128,7 @@ def _run_after(loader: Any, callbacks: list[Callback]) -> None:
 
 
 _finder = _Finder()
-_install_lock = threading.Lock()
+_install_lock = _thread.allocate_lock()
 
 
 def _install() -> None:

@@ -29,7 +29,7 @@ def _warn(what: str, error: BaseException) -> None:
 def patch_now(_torch: ModuleType | None = None) -> None:
     """Patch torch, turning any failure into a warning (torch is imported by then)."""
     try:
-        from . import patch_torch
+        from ._api import patch_torch
 
         patch_torch()
     except Exception as error:
@@ -44,8 +44,8 @@ def install() -> None:
         if "torch" in sys.modules:
             patch_now()
             return
-        from . import _hooks
+        from ._hooks import after_import
 
-        _hooks.after_import("torch", patch_now)
+        after_import("torch", patch_now)
     except Exception as error:
         _warn("the start-up hook", error)

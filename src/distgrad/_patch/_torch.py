@@ -20,7 +20,7 @@ from .. import nn as _nn
 from .. import optim as _optim
 from .. import rpc as _rpc
 from ..nn.api import remote_module as _remote_module
-from . import _hooks
+from ._hooks import after_import, alias
 from ._rebind import Table
 
 __all__ = ["substitute"]
@@ -125,7 +125,7 @@ def _modules(table: Table) -> set[int]:
     sys.modules["torch.distributed.autograd"] = _autograd
     torch.distributed.rpc = _rpc  # type: ignore[attr-defined]
     torch.distributed.autograd = _autograd  # type: ignore[attr-defined]
-    _hooks.alias(MODULES, PREFIXES)
+    alias(MODULES, PREFIXES)
     return replaced
 
 
@@ -184,9 +184,9 @@ def _bound_by_import_torch(table: Table) -> None:
     old = getattr(jit_internal, "is_rref_instance", None)
     if old is not None and not hasattr(jit_internal, "is_rref"):
         table.add(old, _is_rref_instance)  # a module that took the always-False one
-    _hooks.after_import("torch._jit_internal", _fix_jit_internal)
-    _hooks.after_import("torch.jit.annotations", _fix_jit_annotations)
-    _hooks.after_import("torch.nn.parallel.distributed", _fix_ddp)
+    after_import("torch._jit_internal", _fix_jit_internal)
+    after_import("torch.jit.annotations", _fix_jit_annotations)
+    after_import("torch.nn.parallel.distributed", _fix_ddp)
 
 
 def substitute() -> None:
@@ -205,10 +205,10 @@ def substitute() -> None:
     _c_module("_distributed_rpc", table, C_RPC_NAMES, _rpc)
     _c_module("_distributed_autograd", table, C_AUTOGRAD_NAMES, _autograd)
     _bound_by_import_torch(table)
-    _hooks.after_import("torch.distributed.nn", _fix_nn)
-    _hooks.after_import("torch.distributed.nn.api", _fix_nn_api)
-    _hooks.after_import("torch.distributed.optim", _fix_optim)
-    _hooks.after_import("torch.distributed.optim.optimizer", _fix_optim)
+    after_import("torch.distributed.nn", _fix_nn)
+    after_import("torch.distributed.nn.api", _fix_nn_api)
+    after_import("torch.distributed.optim", _fix_optim)
+    after_import("torch.distributed.optim.optimizer", _fix_optim)
     rebound = table.sweep(replaced)
     _done = True
     _log.debug("patch_torch: %d objects of torch's RPC, %d names rebound", len(table), rebound)
