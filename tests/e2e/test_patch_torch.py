@@ -106,7 +106,9 @@ def test_patch_torch_after_torch_and_a_library_imported_it() -> None:
         import torch.distributed.rpc as early_rpc
         lib = types.ModuleType("somelib")
         exec("from torch._C._distributed_rpc import _is_current_rpc_agent_set, PyRRef\\n"
-             "from torch.distributed.rpc import RRef, rpc_async", lib.__dict__)
+             "from torch.distributed.rpc import RRef, rpc_async\n"
+             "from torch.distributed.optim import DistributedOptimizer\n"
+             "from torch.distributed.nn import RemoteModule", lib.__dict__)
         sys.modules["somelib"] = lib
         import distgrad
         assert not distgrad.patched()
@@ -114,6 +116,8 @@ def test_patch_torch_after_torch_and_a_library_imported_it() -> None:
         assert lib.RRef is lib.PyRRef is sys.modules["distgrad.rpc"].RRef, lib.RRef
         assert lib.rpc_async.__module__.startswith("distgrad"), lib.rpc_async
         assert lib._is_current_rpc_agent_set.__module__.startswith("distgrad")
+        assert lib.DistributedOptimizer.__module__ == "distgrad.optim"
+        assert lib.RemoteModule.__module__ == "distgrad.nn"
         assert early_rpc.__name__ == "distgrad.rpc"
         """
     )

@@ -109,6 +109,9 @@ def _modules(table: Table) -> set[int]:
         old = sys.modules[name]
         target = _torch_target(name)
         assert target is not None
+        if old is None:  # a failed import's marker: let the alias hook answer next time
+            del sys.modules[name]
+            continue
         try:
             new = __import__(target, fromlist=["_"])
         except ModuleNotFoundError:
@@ -205,6 +208,12 @@ def substitute() -> None:
     _c_module("_distributed_rpc", table, C_RPC_NAMES, _rpc)
     _c_module("_distributed_autograd", table, C_AUTOGRAD_NAMES, _autograd)
     _bound_by_import_torch(table)
+    for name in ("torch.distributed.optim", "torch.distributed.optim.optimizer"):
+        # torch's class, where it was imported before the switch (a library's name for it)
+        table.add(
+            getattr(sys.modules.get(name), "DistributedOptimizer", None),
+            _optim.DistributedOptimizer,
+        )
     after_import("torch.distributed.nn", _fix_nn)
     after_import("torch.distributed.nn.api", _fix_nn_api)
     after_import("torch.distributed.optim", _fix_optim)
