@@ -6,13 +6,9 @@ this process, and rebinds the names that torch and already-imported libraries to
 torch's RPC. ``DISTGRAD_PATCH_TORCH=1`` does the same in every Python process that inherits
 it, through the ``distgrad-patch-torch.pth`` start-up hook (``_startup``).
 
-This package sits at the top of the layers, beside the CLI: it imports the public modules,
-and nothing below imports it. Importing it costs nothing: torch and the RPC are imported only
-when the switch is used.
+This package sits above the public modules and the CLI: it imports the public modules, and
+nothing below imports it (``distgrad/__init__.py`` re-exports ``_api``'s two functions).
+Importing ``_api`` costs nothing: torch and the RPC are imported only when the switch is used.
 """
 
-from __future__ import annotations
-
-from ._api import patch_torch, patched
-
-__all__ = ["patch_torch", "patched"]
+# like every private package's __init__, this imports nothing: ``_api`` has the functions
