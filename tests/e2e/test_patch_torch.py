@@ -106,8 +106,8 @@ def test_patch_torch_after_torch_and_a_library_imported_it() -> None:
         import torch.distributed.rpc as early_rpc
         lib = types.ModuleType("somelib")
         exec("from torch._C._distributed_rpc import _is_current_rpc_agent_set, PyRRef\\n"
-             "from torch.distributed.rpc import RRef, rpc_async\n"
-             "from torch.distributed.optim import DistributedOptimizer\n"
+             "from torch.distributed.rpc import RRef, rpc_async\\n"
+             "from torch.distributed.optim import DistributedOptimizer\\n"
              "from torch.distributed.nn import RemoteModule", lib.__dict__)
         sys.modules["somelib"] = lib
         import distgrad
