@@ -238,3 +238,56 @@ def test_distgrad_run_patch_torch_and_the_init_log_line(tmp_path: Path) -> None:
             f"init_rpc: worker 'w{rank}' (rank {rank}) runs distgrad's RPC; "
             "torch.distributed.rpc is distgrad's (patched)"
         ) in result.stdout, result.stdout
+
+
+_FORKSERVER_CHILD = textwrap.dedent(
+    """
+    import multiprocessing as mp
+    import sys
+
+
+    def child(queue):
+        import torch.distributed.rpc as rpc
+
+        queue.put(rpc.__name__)
+
+
+    if __name__ == "__main__":
+        assert "torch" not in sys.modules  # the child gets the switch from its own start-up
+        ctx = mp.get_context("forkserver")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=child, args=(queue,))
+        proc.start()
+        print("CHILD", queue.get(timeout=100))
+        proc.join(30)
+    """
+)
+
+_TORCHRUN_WORKER = textwrap.dedent(
+    """
+    import os, sys
+    import torch.distributed.rpc as rpc
+    print("WORKER", os.environ["RANK"], rpc.__name__, flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launch", ["forkserver", "torchrun"])
+def test_children_inherit_the_switch(tmp_path: Path, launch: str) -> None:
+    """A multiprocessing forkserver child and torchrun's workers, started from a process
+    with the variable set, get distgrad under torch's name."""
+    script = tmp_path / "launch.py"
+    if launch == "forkserver":
+        script.write_text(_FORKSERVER_CHILD)
+        args = [str(script)]
+        expected = ["CHILD distgrad.rpc"]
+    else:
+        script.write_text(_TORCHRUN_WORKER)
+        args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        args += [str(script)]
+        expected = ["WORKER 0 distgrad.rpc", "WORKER 1 distgrad.rpc"]
+    result = run_python(args, patch_env(patch=True), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith(expected[0][:6]))
+    assert lines == expected, result.stdout + result.stderr
