@@ -45,11 +45,13 @@ from .._rpc._core._worker_info import WorkerInfo
 from .._rpc._group._membership import add_membership_listener, members, remove_membership_listener
 from .._rpc._rrefs._rref import RRef
 from .._rpc._rrefs._rref_context import context_of as _context_of
-from . import api, backend_registry, constants, functions
+from . import api, backend_registry, constants, functions, internal, options
+from .api import AllGatherStates
 
 __all__ = [
     "AgentState",
     "AgentStatistics",
+    "AllGatherStates",
     "BackendType",
     "BackendValue",
     "DistgradError",
@@ -76,8 +78,10 @@ __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "internal",
     "is_available",
     "members",
+    "options",
     "register_backend",
     "remote",
     "remove_membership_listener",
@@ -91,6 +95,7 @@ _wait_all = _api_impl.wait_all
 _init_rpc_backend = _api_impl.init_rpc_backend
 _is_current_rpc_agent_set = api._is_current_rpc_agent_set
 _get_current_rpc_agent = api._get_current_rpc_agent
+_delete_all_user_and_unforked_owner_rrefs = api._delete_all_user_and_unforked_owner_rrefs
 PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
 
 
