@@ -84,12 +84,30 @@ def _taken(grad: torch.Tensor, alone: _Alone) -> bool:
     return _base_refs(grad) == alone.base_refs and _storage_refs(grad) == alone.view_storage
 
 
-def _owned(pair: tuple[Any, Any], grad: torch.Tensor) -> bool:
-    """True if the caller's ``pairs`` list holds the only reference to ``pair`` and ``pair``
-    the only one to ``grad``. (Counted for each: the list's or the tuple's reference, the
-    caller's local, this function's argument and getrefcount's.) A gradient that requires
-    grad is detached, so a copy anyway."""
-    return sys.getrefcount(pair) <= 4 and sys.getrefcount(grad) <= 4 and not grad.requires_grad
+def _ref_counts(pair: tuple[Any, Any], grad: Any) -> tuple[int, int]:
+    """The Python references to a ``(variable, grad)`` pair and to its gradient, as the loops
+    of :meth:`DistAutogradContext.accumulate_grads` see them."""
+    return sys.getrefcount(pair), sys.getrefcount(grad)
+
+
+def _calibrate_refs() -> tuple[int, int]:
+    """:func:`_ref_counts` of a pair that only its list refers to, in a loop shaped as the
+    callers' (so the interpreter's own bookkeeping is measured, not assumed)."""
+    pairs = [(None, torch.zeros(1))]
+    for pair in pairs:
+        _variable, given = pair
+        return _ref_counts(pair, given)
+    raise AssertionError("unreachable")
+
+
+_ALONE_REFS = _calibrate_refs()
+
+
+def _alone_pair(refs: tuple[int, int], grad: torch.Tensor) -> bool:
+    """True if ``refs`` (:func:`_ref_counts`, taken in the caller's loop) say that the caller's
+    ``pairs`` list holds the only reference to the pair and the pair the only one to ``grad``.
+    A gradient that requires grad is detached, so a copy anyway."""
+    return refs[0] <= _ALONE_REFS[0] and refs[1] <= _ALONE_REFS[1] and not grad.requires_grad
 
 
 def _first(variable: torch.Tensor, grad: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -218,7 +236,7 @@ class DistAutogradContext:
             grads = self._grads
             for pair in pairs:
                 variable, given = pair
-                owned = _owned(pair, given)
+                owned = _alone_pair(_ref_counts(pair, given), given)
                 grad = given.detach() if given.requires_grad else given
                 entry = grads.get(id(variable))
                 if entry is None:
@@ -248,7 +266,7 @@ class DistAutogradContext:
                 if given is None:
                     grads.pop(id(variable), None)
                     continue
-                owned = _owned(pair, given)
+                owned = _alone_pair(_ref_counts(pair, given), given)
                 grad = given.detach() if given.requires_grad else given
                 grads[id(variable)] = (variable, _first(variable, grad, owned))
 
