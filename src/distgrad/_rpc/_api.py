@@ -14,7 +14,7 @@ import torch
 from .. import _config
 from ._core._agent import RpcAgent, require_agent
 from ._core._calls import is_builtin
-from ._core._torchscript import as_rpc_target
+from ._core._torchscript import SCRIPT_TARGETS, as_rpc_target, rref_limit
 from ._core._worker_info import WorkerInfo
 from ._group._init import init_rpc, init_rpc_backend
 from ._group._shutdown import shutdown
@@ -90,6 +90,26 @@ def _to_worker_info(agent: RpcAgent, to: To) -> WorkerInfo:
 _wait_all_state = threading.local()
 
 
+def _holds_rref(value: Any, depth: int = 0) -> bool:
+    """True if ``value`` is an RRef or a list, tuple or dict holding one (a few levels down:
+    what a TorchScript signature can declare)."""
+    if isinstance(value, RRef):
+        return True
+    if depth < 4:
+        if isinstance(value, (list, tuple)):
+            return any(_holds_rref(item, depth + 1) for item in value)
+        if isinstance(value, dict):
+            return any(_holds_rref(item, depth + 1) for item in value.values())
+    return False
+
+
+def _refuse_rrefs(func: Any, args: Any, kwargs: Any) -> None:
+    """A TorchScript target cannot take distgrad RRefs: refuse the call before it is sent
+    (the callee's TorchScript would refuse the argument's type)."""
+    if _holds_rref(args) or _holds_rref(kwargs):
+        raise rref_limit(f"calling TorchScript function {func.qualified_name} with an RRef")
+
+
 def rpc_sync(
     to: To,
     func: Callable[..., Any],
@@ -157,6 +177,8 @@ def rpc_sync(
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
+    if type(func) in SCRIPT_TARGETS:
+        _refuse_rrefs(func, args, kwargs)
     return agent.call_sync(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
@@ -223,6 +245,8 @@ def rpc_async(
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
+    if type(func) in SCRIPT_TARGETS:
+        _refuse_rrefs(func, args, kwargs)
     future = agent.call_async(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
@@ -294,6 +318,8 @@ def remote(
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
+    if type(func) in SCRIPT_TARGETS:
+        _refuse_rrefs(func, args, kwargs)
     return create_remote(
         agent,
         dst,
