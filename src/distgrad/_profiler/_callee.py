@@ -22,6 +22,7 @@ from torch.autograd import profiler_legacy
 
 from .._rpc._core._agent import current_agent
 from .._rpc._core._calls import check_async_result, is_builtin
+from . import _server
 from ._records import CallRecord, Event, RemoteProfile, Session, pop, push
 
 __all__ = ["SETTLE_GRACE_S", "serve", "serve_async"]
@@ -109,6 +110,7 @@ class _Serving:
         pop(self.session)
         if self.enabled:
             self.records = _disable_legacy()
+            _server.add_records(self.records)  # for rpc._server_process_global_profile
 
     def settle(self, then: Callable[[], None]) -> None:
         """Run ``then`` once the calls made for this request have answered (bounded)."""

@@ -32,7 +32,7 @@ from ._rref_context import (
     OwnerValue,
     RRefContext,
 )
-from ._rref_fork import _reduce_rref
+from ._rref_fork import SerializedRRef, _reduce_rref, deserialize_rref, serialize_rref
 from ._rref_owner import (
     _agent_or_raise,
     _owner_backward,
@@ -205,7 +205,9 @@ class RRef(Generic[T]):
                 f"value lived in its incarnation {known:016x}, which is gone",
                 f"worker {owner.name} (rank {owner.id})",
             )
-        if self._timed_out:
+        value = self._value
+        if self._timed_out or (value is not None and value.timed_out):
+            # (an owner's: its remote() to this worker timed out or failed to send)
             raise RuntimeError(RREF_TIMED_OUT)
         if self._error is not None:  # a copy: the stored one must not collect our frames
             raise fresh_copy(self._error)
@@ -258,6 +260,35 @@ class RRef(Generic[T]):
         raise RuntimeError(
             "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
         )
+
+    def _serialize(self) -> SerializedRRef:
+        """Fork this RRef for one receiver, by hand (torch's ``PyRRef._serialize``, what RPC
+        pickling does): the 7-tuple ``(owner id, RRef id's created_on, its local_id, fork
+        id's created_on, its local_id, this worker's id, type)``, where the type is
+        ``"PyObject"`` or ``"Tensor"`` (an owner's tensor, or an RRef made by a builtin or
+        TorchScript function).
+
+        As in torch, the fork is registered now -- on the owner, with the owner; on a user, as
+        a child this RRef waits for -- so the tuple must reach ``RRef._deserialize`` on
+        exactly one worker of the group (the RRef's value is held for it until then).
+
+        Raises:
+            RuntimeError: the creation by ``rpc.remote()`` timed out or failed to send ("RRef
+                creation via rpc.remote() timed out, ..."), or this user RRef was deleted.
+        """
+        return serialize_rref(self)
+
+    @staticmethod
+    def _deserialize(data: SerializedRRef) -> RRef[Any]:
+        """The RRef that :meth:`_serialize` forked, on the worker that receives the tuple
+        (torch's ``PyRRef._deserialize``): the owner gets its owner RRef back; a user gets a
+        user RRef, which the owner confirms (its parent is told once it is).
+
+        Raises:
+            ValueError: ``data`` is not such a 7-tuple.
+            RuntimeError: RPC is not initialized.
+        """
+        return deserialize_rref(data)
 
     # -- values ----------------------------------------------------------------------------------
     def local_value(self) -> T:
