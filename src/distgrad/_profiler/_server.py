@@ -64,9 +64,9 @@ class _server_process_global_profile(profiler_legacy.profile):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._records: list[list[Any]] = []
 
-    def __enter__(self) -> _server_process_global_profile:
+    def __enter__(self) -> _server_process_global_profile | None:
         if not self.enabled:
-            return self
+            return None  # as torch's
         if self.entered:
             raise RuntimeError("autograd profiler traces are not reentrant")
         self.entered = True
@@ -75,9 +75,9 @@ class _server_process_global_profile(profiler_legacy.profile):
             _profiling.serving_wrapper = _profiled
         return self
 
-    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> bool:
         if not self.enabled:
-            return
+            return False
         with _lock:
             if self in _open:
                 _open.remove(self)
@@ -94,6 +94,10 @@ class _server_process_global_profile(profiler_legacy.profile):
             use_device="cuda" if self.use_cuda else None,
             profile_memory=self.profile_memory,
         )
+        self.function_events._build_tree()  # type: ignore[no-untyped-call]
+        #: the events per request (torch's: per serving thread)
+        self.process_global_function_events = events
+        return False
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

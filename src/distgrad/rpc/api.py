@@ -22,6 +22,8 @@ _ignore_rref_leak = True
 _wait_all = _api_impl.wait_all
 _all_gather = _collectives.all_gather
 _barrier = _collectives.barrier
+# what the leader of _all_gather calls on each follower (torch's name)
+_broadcast_to_followers = _collectives._broadcast_to_followers
 _wait_all_workers = _collectives.wait_all_workers
 
 
