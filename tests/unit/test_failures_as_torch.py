@@ -111,10 +111,9 @@ def test_wait_all_block_ends_at_the_first_failure() -> None:
         if rank:
             return 0.0
         start = time.monotonic()
-        with pytest.raises(ValueError, match="second line"):
-            with rpc._wait_all():
-                rpc.rpc_async("worker1", sleeps, (3.0,))
-                rpc.rpc_async("worker1", fails)
+        with pytest.raises(ValueError, match="second line"), rpc._wait_all():
+            rpc.rpc_async("worker1", sleeps, (3.0,))
+            rpc.rpc_async("worker1", fails)
         return time.monotonic() - start
 
     with open_world(2) as world:
