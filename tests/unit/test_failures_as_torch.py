@@ -253,3 +253,29 @@ def test_torch_wait_all_over_failed_futures_waits_for_every_future() -> None:
         torch.futures.wait_all([failed, pending])
     assert time.monotonic() - start >= 0.25
     timer.join()
+
+
+class Halt(BaseException):
+    """Not an ``Exception``: torch's ``Future.set_exception`` refuses it."""
+
+
+def halts() -> None:
+    raise Halt("halted")
+
+
+def test_a_call_failing_with_a_base_exception_under_the_profiler_fails_its_future() -> None:
+    """A profiled ``rpc_async`` whose function raised a ``BaseException`` that is not an
+    ``Exception`` fails its future with it (torch's ``set_exception`` would refuse it and
+    leave the future pending forever)."""
+
+    def body(rank: int) -> str:
+        with torch.autograd.profiler.profile():
+            future = rpc.rpc_async("worker1", halts)
+            try:
+                future.wait()
+            except Halt as exc:
+                return type(exc).__name__
+        return "no error"
+
+    with open_world(2, timeout=10) as world:
+        assert world.run(body, ranks=[0]) == ["Halt"]
