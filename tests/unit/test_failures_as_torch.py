@@ -65,7 +65,8 @@ def _wait_empty(world: World, bound: float = 8.0) -> dict[int, dict[str, str]]:
 # -- item 1: a failed future ---------------------------------------------------------------------
 def test_a_failed_call_fails_its_future_as_torchs_own_set_exception_does() -> None:
     """A failed rpc_async future behaves as a torch future failed with torch's own
-    ``set_exception``: ``wait()``/``value()`` raise the original type, ``done()`` is true, a
+    ``set_exception``: ``wait()``/``value()`` raise the original type (with the remote
+    traceback as ``__cause__``), ``done()`` is true, a
     ``then`` callback reading ``value()`` fails the chained future with torch's RuntimeError,
     and ``collect_all(...).wait()`` raises the original type too."""
 
@@ -75,6 +76,10 @@ def test_a_failed_call_fails_its_future_as_torchs_own_set_exception_does() -> No
         ours = rpc.rpc_async("worker1", fails)
         theirs: torch.futures.Future[Any] = torch.futures.Future()
         theirs.set_exception(ValueError("first line\nsecond line"))
+        with pytest.raises(ValueError) as remote:
+            ours.wait()
+        assert isinstance(remote.value.__cause__, rpc.RemoteTraceback)  # the remote traceback
+        assert 'raise ValueError("first line' in str(remote.value.__cause__)
         seen: list[object] = []
         for future in (ours, theirs):
             with pytest.raises(ValueError, match="second line"):
