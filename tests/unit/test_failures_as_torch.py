@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
+from distgrad._rpc._rrefs._rref_context import context_of
 from distgrad.testing import Fault, World, open_world
 
 EMPTY = {
@@ -56,7 +57,7 @@ def _wait_empty(world: World, bound: float = 8.0) -> dict[int, dict[str, str]]:
     deadline = time.monotonic() + bound
     while True:
         gc.collect()
-        tables = {r: world.agents[r].rrefs.debug_info() for r in world.alive()}
+        tables = {r: context_of(world.agents[r]).debug_info() for r in world.alive()}
         if all(t == EMPTY for t in tables.values()) or time.monotonic() > deadline:
             return tables
         time.sleep(0.05)
@@ -284,3 +285,26 @@ def test_a_call_failing_with_a_base_exception_under_the_profiler_fails_its_futur
 
     with open_world(2, timeout=10) as world:
         assert world.run(body, ranks=[0]) == ["Halt"]
+
+
+def test_rref_rpc_async_proxy_to_a_dead_owner_returns_a_failed_future() -> None:
+    """``rref.rpc_async().method()`` on an RRef whose owner is known dead returns a failed
+    future, as ``rpc_async`` does (it does not raise at the call)."""
+    held: list[rpc.RRef[Any]] = []
+
+    def before(rank: int) -> None:
+        rref = rpc.remote("worker1", makes, args=(3,))
+        rref.to_here()
+        held.append(rref)
+
+    def after(rank: int) -> str:
+        future = held[0].rpc_async().sum()
+        with pytest.raises(rpc.PeerFailureError):
+            future.wait()
+        return "failed future"
+
+    with open_world(2) as world:
+        world.run(before, ranks=[0])
+        world.kill(1)
+        assert world.run(after, ranks=[0]) == ["failed future"]
+        held.clear()

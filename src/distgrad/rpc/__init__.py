@@ -32,6 +32,7 @@ from .._rpc._api import (
 )
 from .._rpc._core import _agent as _agent_impl
 from .._rpc._core import _options as _options_impl
+from .._rpc._core._events import MembershipEvent
 from .._rpc._core._options import (
     BackendValue,
     RpcBackendOptions,
@@ -43,9 +44,9 @@ from .._rpc._core._options import (
 from .._rpc._core._remote_error import RemoteTraceback
 from .._rpc._core._statistics import AgentState, AgentStatistics, PeerStatistics
 from .._rpc._core._worker_info import WorkerInfo
-from .._rpc._group._events import MembershipEvent
 from .._rpc._group._membership import add_membership_listener, members, remove_membership_listener
 from .._rpc._rrefs._rref import RRef
+from .._rpc._rrefs._rref_context import context_of as _context_of
 from . import api, backend_registry, constants, functions, internal
 
 __all__ = [
@@ -120,7 +121,7 @@ def enable_gil_profiling(flag: bool) -> None:
 
 def _rref_context_get_debug_info() -> dict[str, str]:
     """RRef table sizes of this worker (values are strings, as the reference's)."""
-    return _get_current_rpc_agent().rrefs.debug_info()
+    return _context_of(_get_current_rpc_agent()).debug_info()
 
 
 @_api_impl._require_initialized
