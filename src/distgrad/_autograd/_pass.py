@@ -15,6 +15,7 @@ import torch
 from .._errors import DistgradError
 from .._rpc._core import _profiling
 from .._rpc._core._agent import current_agent
+from .._rpc._core._calls import set_future_error
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,
@@ -477,7 +478,7 @@ class Pass:
         self._finish()
         detail = str(error) if str(error) else repr(error)
         failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
-        self.done.set_exception(failure)  # type: ignore[arg-type]  # torch's stub is too narrow
+        set_future_error(self.done, failure)
 
     def _finish(self) -> None:
         self.finished = True

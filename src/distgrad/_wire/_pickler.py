@@ -57,10 +57,12 @@ __all__ = [
     "Encoded",
     "allocate_buffer",
     "decode",
+    "deserialize_with_table",
     "dumps",
     "encode",
     "loads",
     "register_reducer",
+    "serialize_with_table",
 ]
 
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
@@ -511,3 +513,43 @@ def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer], int]:
 def loads(meta: bytes | bytearray | memoryview, buffers: Iterable[Any] = (), flags: int = 0) -> Any:
     """Unpickle a stream produced by :func:`dumps` with its received buffers."""
     return decode(meta, buffers, flags)[1]
+
+
+class _TableSerializer(pickle.Pickler):
+    """Messages' reducers (RRefs fork), tensors into a table by index."""
+
+    dispatch_table = _PAYLOAD_DISPATCH
+
+    def __init__(self, file: io.BytesIO, table: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=5)
+        self._table = table
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self._table.append(obj)
+            return len(self._table) - 1
+        return None
+
+
+class _TableDeserializer(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, table: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._table = table
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._table[pid]
+
+
+def serialize_with_table(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``obj`` as a pickle stream and the tensors it refers to by index (torch's
+    ``rpc.internal.serialize``); objects with message reducers (RRefs) are reduced as in a
+    message."""
+    file = io.BytesIO()
+    table: list[torch.Tensor] = []
+    _TableSerializer(file, table).dump(obj)
+    return file.getvalue(), table
+
+
+def deserialize_with_table(data: bytes, tensors: list[torch.Tensor]) -> Any:
+    """The object :func:`serialize_with_table` made ``(data, tensors)`` of."""
+    return _TableDeserializer(io.BytesIO(data), list(tensors)).load()

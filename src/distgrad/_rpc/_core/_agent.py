@@ -166,6 +166,9 @@ class RpcAgent(Outgoing, Serving):
         self._active = 0
         self._active_lock = threading.Lock()
         self._serving_async = 0  # @async_execution requests whose future is pending
+        # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
+        self._gil_profiling = False
+        self._gil_wait = [0.0, 0]  # seconds in all, requests
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
@@ -310,13 +313,30 @@ class RpcAgent(Outgoing, Serving):
         requests whose future has not completed)."""
         pool = self._workers
         busy = pool.busy()
-        return {
+        metrics = {
             "agent.server_active_async_calls": str(self._serving_async),
             "agent.client_active_calls": str(self._active),
             "agent.server_active_calls": str(busy),
             "agent.num_idle_threads": str(max(0, pool.max_threads - busy)),
             "agent.thread_pool_size": str(pool.max_threads),
         }
+        if self._gil_profiling:
+            total, count = self._gil_wait
+            average_us = total / count * 1e6 if count else 0.0
+            metrics["agent.gil_average_wait_time_us"] = f"{average_us:f}"
+        return metrics
+
+    def enable_gil_profiling(self, flag: bool) -> None:
+        """torch's ``rpc.enable_gil_profiling``: with ``flag``, time how long each request
+        served here waits between its arrival and the moment a worker thread runs Python for
+        it -- the thread's wake-up and its taking of the GIL, plus any wait for a free thread
+        -- and report the average since enabling as ``agent.gil_average_wait_time_us`` in
+        :meth:`get_metrics` / :meth:`get_debug_info` (torch times its own GIL acquisitions;
+        in a pure-Python agent this hand-off is where the GIL is waited for). Costs nothing
+        while off; turning it off keeps the figures, turning it on again resets them."""
+        if flag and not self._gil_profiling:
+            self._gil_wait = [0.0, 0]
+        self._gil_profiling = bool(flag)
 
     def get_debug_info(self) -> dict[str, str]:
         """torch's ``RpcAgent.get_debug_info()``: the metrics of :meth:`get_metrics`."""
