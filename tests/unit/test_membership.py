@@ -15,7 +15,7 @@ import distgrad.rpc as rpc
 from distgrad._autograd._context import CONTAINER
 from distgrad._errors import PeerFailureError
 from distgrad._rpc._core._agent import current_agent
-from distgrad._testing._world import World, open_world
+from distgrad._testing._world import World, open_world, world_options
 
 
 def whoami() -> str:
@@ -262,3 +262,69 @@ def test_a_member_dying_during_a_pass_fails_that_pass_only() -> None:
         assert "worker2" in message
         grad, local = world.run_on(0, _step, 0, [1])
         torch.testing.assert_close(grad, local)
+
+
+class MortalStore:
+    """A store client that dies with its process: after :meth:`die` every call fails."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self.dead = False
+
+    def die(self) -> None:
+        self.dead = True
+
+    def __getattr__(self, name: str) -> object:
+        if self.dead:
+            raise RuntimeError("the process of this store client is dead")
+        return getattr(self._store, name)
+
+
+def _holder(world: World) -> str | None:
+    import json
+
+    if not world.store.check(["distgrad/membership"]):
+        return None
+    lease = json.loads(bytes(world.store.get("distgrad/membership")))["lease"]
+    return None if lease is None else str(lease["holder"])
+
+
+def test_a_member_that_dies_holding_the_membership_token_does_not_stop_joins() -> None:
+    """A joiner killed mid-join (it told worker0, then waited on a frozen worker1, holding the
+    token) does not block later joins: the next joiner takes the token over within the lease's
+    bound, undoes the half-applied join, and every member's view ends the same."""
+    with open_world(3, dynamic=True, faults=[]) as world:
+        assert world.faults is not None
+        world.faults.freeze(1)
+        mortal = MortalStore(world.store)
+        failed: list[BaseException] = []
+
+        def doomed_join() -> None:
+            try:
+                world.join(3, store=mortal)
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=doomed_join, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while "worker3" not in names(world, 0) or _holder(world) != "worker3":
+            assert time.monotonic() < deadline, "worker3 never held the token mid-join"
+            time.sleep(0.01)
+        mortal.die()  # the joiner's process dies: no renewal, no release
+        world.kill(3)
+        thread.join(10)
+        assert failed and not thread.is_alive()
+        world.faults.thaw(1)
+        started = time.monotonic()
+        world.join(4)
+        took = time.monotonic() - started
+        assert took < 2 * world_options().peer_timeout + 2.0, took
+        expected = ["worker0", "worker1", "worker2", "worker4"]
+        for rank in world.alive():
+            assert names(world, rank) == expected, rank
+        assert _holder(world) is None
+        grad, local = world.run_on(4, _step, 4, [0, 1, 2])
+        torch.testing.assert_close(grad, local)
+        with pytest.raises(RuntimeError, match="could not find destination name worker3"):
+            world.run_on(0, rpc.rpc_sync, "worker3", whoami)
