@@ -1,21 +1,22 @@
 """Dynamic groups (``init_rpc(name, rank=r, world_size=None)``): members join and leave.
 
 As torch's: the *leader* (rank 0) starts first and holds the store (a ``TCPStore`` made from the
-``tcp://`` or ``env://`` init method; with ``file://`` every member opens the same file store);
-every other member joins by rendezvous with it. A join or
-a leave holds the group's *membership token* in the store (torch's
-``_group_membership_management``), so they happen one at a time:
+``tcp://`` or ``env://`` init method, unless ``TORCHELASTIC_USE_AGENT_STORE`` says it lives
+outside the members; with ``file://`` every member opens the same file store); every other
+member joins by rendezvous with it. A join or a leave holds the group's *membership token*, a
+lease on the membership state in the store (``_lease``), so they happen one at a time:
 
-* **join**: publish this worker's record (name, address, incarnation), read the members', and
-  tell each member (an RPC it answers once it knows the joiner). When ``init_rpc`` returns,
-  every member can call the joiner and the joiner every member.
+* **join**: take the token (completing the change of a holder that lost it), write the intent,
+  tell each member (an RPC it answers once it knows the joiner; a member frozen or cut off is
+  asked again until it answers, is proved dead, or ``rpc_timeout`` passes), commit. When
+  ``init_rpc`` returns, every member can call the joiner and the joiner every member.
 * **leave** (a graceful ``rpc.shutdown()``): this worker's calls finish and its RRef users are
   deleted, then each member is told (so later calls to it fail at once, naming it as departed),
   then the connections close with a goodbye.
 
 A name may rejoin: the new agent start has a new incarnation, and the members take its previous
 one for dead (``docs/failure-semantics.md``). The store serves joins and leaves only: members
-already connected call each other without it, so losing the leader stops joins and leaves
+already connected call each other without it, so losing the store's host stops joins and leaves
 (which then fail, naming the store) but no call between members.
 """
 
@@ -239,7 +240,7 @@ def leave_group(agent: RpcAgent, store: Any, timeout: float) -> None:
             except DistgradError as exc:
                 _log.info("%s was not told that %s leaves: %s", info.name, me.name, exc)
 
-    if me.id == 0 or store is None:  # the leader (its store goes with it), or no store
+    if store is None:
         tell()
         return
     assert agent.address is not None
