@@ -289,10 +289,14 @@ def _holder(world: World) -> str | None:
     return None if lease is None else str(lease["holder"])
 
 
-def test_a_member_that_dies_holding_the_membership_token_does_not_stop_joins() -> None:
+@pytest.mark.parametrize("next_rank", [4, 3], ids=["another-joiner", "the-same-relaunched"])
+def test_a_member_that_dies_holding_the_membership_token_does_not_stop_joins(
+    next_rank: int,
+) -> None:
     """A joiner killed mid-join (it told worker0, then waited on a frozen worker1, holding the
-    token) does not block later joins: the next joiner takes the token over within the lease's
-    bound, undoes the half-applied join, and every member's view ends the same."""
+    token) does not block later joins: the next joiner (another, or the same rank relaunched)
+    takes the token over within the lease's bound, undoes the half-applied join, and every
+    member's view ends the same; calls reach the new member both ways."""
     with open_world(3, dynamic=True, faults=[]) as world:
         assert world.faults is not None
         world.faults.freeze(1)
@@ -317,14 +321,18 @@ def test_a_member_that_dies_holding_the_membership_token_does_not_stop_joins() -
         assert failed and not thread.is_alive()
         world.faults.thaw(1)
         started = time.monotonic()
-        world.join(4)
+        world.join(next_rank)
         took = time.monotonic() - started
         assert took < 2 * world_options().peer_timeout + 2.0, took
-        expected = ["worker0", "worker1", "worker2", "worker4"]
+        expected = ["worker0", "worker1", "worker2", f"worker{next_rank}"]
         for rank in world.alive():
             assert names(world, rank) == expected, rank
         assert _holder(world) is None
-        grad, local = world.run_on(4, _step, 4, [0, 1, 2])
+        grad, local = world.run_on(next_rank, _step, next_rank, [0, 1, 2])
         torch.testing.assert_close(grad, local)
-        with pytest.raises(RuntimeError, match="could not find destination name worker3"):
-            world.run_on(0, rpc.rpc_sync, "worker3", whoami)
+        for rank in (0, 1, 2):
+            name = f"worker{next_rank}"
+            assert world.run_on(rank, rpc.rpc_sync, name, whoami) == name
+        if next_rank != 3:
+            with pytest.raises(RuntimeError, match="could not find destination name worker3"):
+                world.run_on(0, rpc.rpc_sync, "worker3", whoami)

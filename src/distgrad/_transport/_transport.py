@@ -168,8 +168,13 @@ class SocketTransport(Accepting, Dialing):
 
     def add_peer(self, rank: int, address: PeerAddress) -> None:
         self._peers[rank] = address
-        if address.incarnation:
-            self.note_incarnation(rank, address.incarnation)
+        if address.incarnation and not self.note_incarnation(rank, address.incarnation):
+            return  # a replaced incarnation: it stays dead
+        # A member joining is reachable, whatever was said of its rank before: the removal of
+        # its previous incarnation may arrive after the new one's handshake.
+        self._dead.pop(rank, None)
+        self._suspected.pop(rank, None)
+        self._unreachable.pop(rank, None)
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself, with a goodbye, once it has told
