@@ -10,7 +10,8 @@ Asserted: no hang (every step and the whole run bounded), every gradient equal t
 single-process torch's, every member live and listing the same group at the end, every error
 naming a member faulted at that moment and reaching the program within the bound, and no
 graceful leave over a few seconds. ``DISTGRAD_MARATHON_ROUNDS`` sets the rounds of faults
-(default 2)."""
+(default 2); ``DISTGRAD_MARATHON_DUMP=path`` writes every process's output, the faults and the
+errors to ``path`` (a post-mortem)."""
 
 from __future__ import annotations
 
