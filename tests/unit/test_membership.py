@@ -17,6 +17,7 @@ from distgrad._errors import PeerFailureError
 from distgrad._rpc._core._agent import current_agent
 from distgrad._rpc._rrefs._rref_context import context_of
 from distgrad._testing._world import World, open_world, world_options
+from distgrad._transport._faulty import Fault
 
 
 def whoami() -> str:
@@ -352,3 +353,58 @@ def test_a_leave_does_not_wait_for_other_members_to_drop_what_it_owns() -> None:
         with pytest.raises(PeerFailureError, match=r"worker2 \(rank 2\)"):
             world.run_on(0, rref.to_here)
         del rref
+
+
+def test_a_member_that_dies_mid_leave_is_rolled_forward_by_the_next_holder() -> None:
+    """A member killed mid-leave (it told worker0; its word to worker1 was lost, and it waits
+    for the answer, holding the token) leaves all the same: the next joiner takes the token
+    over and completes the leave, and every member's view ends the same (worker1's too)."""
+    lost = Fault("drop", function="_member_left", src=2, dst=1)
+    with open_world(3, dynamic=True, faults=[lost]) as world:
+        mortal = MortalStore(world.store)
+        world.agents[2].keepalive[0] = mortal  # the leaver's store client dies with it
+
+        def doomed_leave() -> None:
+            try:
+                world.leave(2)
+            except BaseException:
+                pass
+
+        thread = threading.Thread(target=doomed_leave, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while "worker2" in names(world, 0) or _holder(world) != "worker2":
+            assert time.monotonic() < deadline, "worker2 never held the token mid-leave"
+            time.sleep(0.01)
+        time.sleep(0.2)  # (its word to worker1 is sent, and dropped)
+        mortal.die()
+        world.kill(2)
+        thread.join(10)
+        assert "worker2" in names(world, 1)  # half-applied: worker1 was never told
+        world.join(3)
+        expected = ["worker0", "worker1", "worker3"]
+        for rank in (0, 1, 3):
+            assert names(world, rank) == expected, rank
+        assert _holder(world) is None
+        with pytest.raises(RuntimeError, match=r"worker2 \(rank 2\) has left the RPC group"):
+            world.run_on(1, rpc.rpc_sync, "worker2", whoami)
+
+
+def test_a_call_to_a_departed_member_fails_at_once_while_its_link_is_still_open() -> None:
+    """Once told a member leaves, a call to its WorkerInfo fails at once naming it as departed,
+    even while the leaver, still telling others, has not closed its links yet."""
+    lost = Fault("drop", function="_member_left", src=2, dst=1)  # the leave stays under way
+    options = world_options(rpc_timeout=3.0)
+    with open_world(3, dynamic=True, faults=[lost], options=options) as world:
+        info = world.run_on(0, rpc.get_worker_info, "worker2")
+        assert world.run_on(0, rpc.rpc_sync, info, whoami) == "worker2"  # a link is open
+        thread = threading.Thread(target=world.leave, args=(2,), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while "worker2" in names(world, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert thread.is_alive()  # still waiting on worker1's answer
+        with pytest.raises(PeerFailureError, match=r"worker2 \(rank 2\) has left the RPC group"):
+            world.run_on(0, rpc.rpc_sync, info, whoami)
+        thread.join(10)

@@ -194,7 +194,7 @@ class MemoryTransport:
     # -- outgoing ----------------------------------------------------------------------------------
     def connection(self, rank: int) -> MemoryLink:
         link = self._out.get(rank)
-        if link is not None and not link.closed:
+        if link is not None and not link.closed and rank not in self._dead:
             return link
         with self._lock:
             connecting = self._connect_locks.setdefault(rank, threading.Lock())

@@ -220,9 +220,10 @@ class SocketTransport(Accepting, Dialing):
 
     # -- outgoing --------------------------------------------------------------------------------
     def connection(self, rank: int) -> Connection | LoopbackConnection:
-        """The connection for sending to ``rank``, opened (blocking) on first use."""
+        """The connection for sending to ``rank``, opened (blocking) on first use. A rank known
+        dead (or gone from the group: its links stay open until it closes them) fails at once."""
         conn = self._out.get(rank)
-        if conn is not None and not conn.closed:
+        if conn is not None and not conn.closed and rank not in self._dead:
             return conn
         return self._connect(rank)
 
