@@ -144,6 +144,8 @@ class RpcAgent(Outgoing, Serving):
         #: the random id of this start of the agent (presented in every handshake)
         self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self._incarnation_of: dict[int, int] = {rank: self.incarnation}
+        #: incarnations removed from the group (rank, incarnation): never members again
+        self._gone: set[tuple[int, int]] = set()
         #: members that left the group (by name), for errors that name them as departed
         self.departed: dict[str, WorkerInfo] = {}
         #: called (on a callback thread) with every :class:`MembershipEvent`
@@ -229,9 +231,19 @@ class RpcAgent(Outgoing, Serving):
         return self._incarnation_of.get(rank, 0)
 
     def add_member(self, info: WorkerInfo, address: PeerAddress) -> None:
-        """A member joined (or rejoined under its name: a new incarnation)."""
+        """A member joined (or rejoined under its name: a new incarnation). Told twice (a
+        join asked again after an answer was lost), nothing changes; an incarnation that was
+        removed from the group (its join undone by the next holder of the membership token)
+        is refused with ``RuntimeError``."""
         old = self._by_rank.get(info.id)
         known = self._incarnation_of.get(info.id, 0)
+        if (info.id, address.incarnation) in self._gone:
+            raise RuntimeError(
+                f"worker {info.name} (rank {info.id}) incarnation {address.incarnation:016x} "
+                "was removed from the RPC group: it cannot join as a member any more"
+            )
+        if old == info and known == address.incarnation:
+            return
         if old is not None and old.name != info.name:
             self._by_name.pop(old.name, None)
         self._by_name[info.name] = info
@@ -249,7 +261,11 @@ class RpcAgent(Outgoing, Serving):
         calls to it fail at once naming it as departed; contexts it took part in are failed
         and cleaned."""
         info = self._by_rank.get(rank)
-        if info is None or info == self.worker_info:
+        if info == self.worker_info:
+            return
+        if incarnation:
+            self._gone.add((rank, incarnation))
+        if info is None:
             return
         if incarnation and self._incarnation_of.get(rank, incarnation) != incarnation:
             return  # a replaced incarnation says goodbye: the member itself stays
