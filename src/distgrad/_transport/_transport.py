@@ -154,11 +154,7 @@ class SocketTransport(Accepting, Dialing):
         self._peers[rank] = address
         if address.incarnation and not self.note_incarnation(rank, address.incarnation):
             return  # a replaced incarnation: it stays dead
-        # A member joining is reachable, whatever was said of its rank before: the removal of
-        # its previous incarnation may arrive after the new one's handshake.
-        self._dead.pop(rank, None)
-        self._suspected.pop(rank, None)
-        self._unreachable.pop(rank, None)
+        self._verdicts.joined(rank)  # a member joining is reachable
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself, with a goodbye, once it has told
@@ -185,7 +181,7 @@ class SocketTransport(Accepting, Dialing):
         """The connection for sending to ``rank``, opened (blocking) on first use. A rank known
         dead (or gone from the group: its links stay open until it closes them) fails at once."""
         conn = self._out.get(rank)
-        if conn is not None and not conn.closed and rank not in self._dead:
+        if conn is not None and not conn.closed and not self._verdicts.is_dead(rank):
             return conn
         return self._connect(rank)
 
