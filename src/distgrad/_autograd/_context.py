@@ -191,6 +191,10 @@ class ContextContainer:
             self._local.context_id = -1
         return ctx
 
+    def created_here(self, context_id: int) -> bool:
+        """Whether ``context_id`` is one of this worker's own ids (a context its user made)."""
+        return self._worker_id != -1 and context_id >> _ID_BITS == self._worker_id
+
     def num_contexts(self) -> int:
         """How many contexts live on this worker."""
         return len(self._contexts)
@@ -316,6 +320,9 @@ class WorkerContainer:
 
     def release_context_if_present(self, context_id: int) -> DistAutogradContext | None:
         return self.get().release_context_if_present(context_id)
+
+    def created_here(self, context_id: int) -> bool:
+        return self.get().created_here(context_id)
 
     def num_contexts(self) -> int:
         return self.get().num_contexts()

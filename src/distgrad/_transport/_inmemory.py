@@ -150,8 +150,9 @@ class MemoryTransport:
     def add_peer(self, rank: int, address: PeerAddress) -> None:
         with self._lock:
             self._peers[rank] = address
-        if address.incarnation:
-            self.note_incarnation(rank, address.incarnation)
+        if address.incarnation and not self.note_incarnation(rank, address.incarnation):
+            return  # a replaced incarnation: it stays dead
+        self._verdicts.joined(rank)  # a member joining is reachable (as SocketTransport.add_peer)
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself once it has told every member)
@@ -174,7 +175,7 @@ class MemoryTransport:
     # -- outgoing ----------------------------------------------------------------------------------
     def connection(self, rank: int) -> MemoryLink:
         link = self._out.get(rank)
-        if link is not None and not link.closed:
+        if link is not None and not link.closed and not self._verdicts.is_dead(rank):
             return link
         with self._lock:
             connecting = self._connect_locks.setdefault(rank, threading.Lock())

@@ -98,6 +98,15 @@ class PeerVerdicts:
             self._suspected.pop(rank, None)
             self._unreachable.pop(rank, None)
 
+    def joined(self, rank: int) -> None:
+        """A member joined under ``rank`` (a dynamic group's join of a current incarnation):
+        it is reachable, whatever was said of the rank before -- the removal of its previous
+        incarnation may arrive after the new one's handshake."""
+        with self._lock:
+            self._dead.pop(rank, None)
+            self._suspected.pop(rank, None)
+            self._unreachable.pop(rank, None)
+
     def link_lost(
         self,
         rank: int,

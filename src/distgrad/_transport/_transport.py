@@ -152,8 +152,9 @@ class SocketTransport(Accepting, Dialing):
 
     def add_peer(self, rank: int, address: PeerAddress) -> None:
         self._peers[rank] = address
-        if address.incarnation:
-            self.note_incarnation(rank, address.incarnation)
+        if address.incarnation and not self.note_incarnation(rank, address.incarnation):
+            return  # a replaced incarnation: it stays dead
+        self._verdicts.joined(rank)  # a member joining is reachable
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself, with a goodbye, once it has told
@@ -177,9 +178,10 @@ class SocketTransport(Accepting, Dialing):
 
     # -- outgoing --------------------------------------------------------------------------------
     def connection(self, rank: int) -> Connection | LoopbackConnection:
-        """The connection for sending to ``rank``, opened (blocking) on first use."""
+        """The connection for sending to ``rank``, opened (blocking) on first use. A rank known
+        dead (or gone from the group: its links stay open until it closes them) fails at once."""
         conn = self._out.get(rank)
-        if conn is not None and not conn.closed:
+        if conn is not None and not conn.closed and not self._verdicts.is_dead(rank):
             return conn
         return self._connect(rank)
 

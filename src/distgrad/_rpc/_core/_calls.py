@@ -23,6 +23,7 @@ __all__ = [
     "RpcFuture",
     "callback_error_message",
     "check_async_result",
+    "failed_future",
     "fresh_copy",
     "is_builtin",
     "set_future_error",
@@ -92,6 +93,15 @@ def set_future_error(future: torch.futures.Future[Any], error: BaseException) ->
         remember_traceback(stored, error)
     future._set_unwrap_func(_raise_fresh)  # type: ignore[attr-defined]
     future.set_result(stored)
+
+
+def failed_future(error: BaseException, pools: tuple[ThreadPool, ...] = ()) -> RpcFuture:
+    """An :class:`RpcFuture` that has already failed with ``error`` (``rpc_async`` to a peer
+    known dead: torch fails the future rather than raising at the call)."""
+    future = RpcFuture()
+    future._pools = pools
+    set_future_error(future, error)
+    return future
 
 
 class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]

@@ -21,9 +21,9 @@ from ..._errors import RpcTimeoutError, rpc_timeout_message
 from ..._wire._pickler import register_reducer
 from .._core._agent import RpcAgent
 from .._core._layer import LayerAgent, RpcLayer, register_layer
-from ._rref import RRef
+from ._rref import BY_HAND, RRef
 from ._rref_context import RRefContext, context_of, stop_context
-from ._rref_fork import _reduce_rref
+from ._rref_fork import _reduce_rref, deserialize_rref, serialize_rref
 
 __all__ = ["RRefLayer", "register"]
 
@@ -62,4 +62,5 @@ _LAYER = RRefLayer()
 def register() -> None:
     """Plug RRefs into RPC (idempotent)."""
     register_reducer(RRef, _reduce_rref)
+    BY_HAND.serialize, BY_HAND.deserialize = serialize_rref, deserialize_rref
     register_layer(_LAYER)
