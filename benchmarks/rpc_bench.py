@@ -19,6 +19,9 @@ Each implementation runs in its own freshly spawned 2-process group (caller ``wo
 callee ``worker1``, rendezvous on ``tcp://127.0.0.1:<free port>``). The groups are
 interleaved in rounds (torch, distgrad, torch, distgrad, ...) so that drift on a noisy
 machine affects both alike, and every figure is a median over the samples of all rounds.
+Every round also measures the floor under both (with ``latency``): a 16-byte ping-pong between
+two Python processes over a Unix socket, blocking I/O (``_pingpong.py``); each
+implementation's ``rpc_sync`` median is reported as a multiple of it.
 See benchmarks/README.md for what each metric means and the targets.
 """
 
