@@ -320,7 +320,7 @@ class Pass:
         )
         from ._engine import _grad_message
 
-        self._message(record.src, _grad_message, (message,))
+        self._message(record.src, _grad_message, (message,), record.device_map)
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -335,7 +335,13 @@ class Pass:
                 self._send_grads(state, None)
         self._check_done()
 
-    def _message(self, worker: int, func: Any, args: tuple[Any, ...]) -> None:
+    def _message(
+        self,
+        worker: int,
+        func: Any,
+        args: tuple[Any, ...],
+        device_map: dict[torch.device, torch.device] | None = None,
+    ) -> None:
         agent = current_agent()
         if agent is None:
             raise BackwardError(
@@ -353,9 +359,9 @@ class Pass:
             from ._engine import _grad_message, _late_grad_message
 
             assert func is _grad_message  # START goes only to workers not in touch yet
-            agent.notify(worker, _late_grad_message, args)
+            agent.notify(worker, _late_grad_message, args, device_map=device_map)
             return
-        agent.call_internal(worker, func, args, self._on_answer)
+        agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
         self.in_touch.add(worker)
         self.outstanding += 1
 

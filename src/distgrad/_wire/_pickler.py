@@ -65,7 +65,11 @@ __all__ = [
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
 
 
-DeviceCheck = Callable[[torch.Tensor], torch.Tensor]
+DeviceCheck = Callable[[torch.Tensor], Any]
+"""What routes a tensor of a message by the device maps: called with every tensor not on the
+CPU -- and with CPU tensors too when it has a true ``routes_cpu`` attribute (a map with a
+``cpu`` entry) -- it returns ``None`` (send the tensor as it is, a CPU tensor) or the
+reduction that sends it (its host bytes and the device it lands on), or raises."""
 
 # The device policy of the dump in progress on this thread (set by ``dumps``); the reducers are
 # plain functions in a class-level dispatch table, so they find it here.
@@ -103,7 +107,12 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         device_check: DeviceCheck | None = getattr(_policy, "device_check", None)
         if device_check is None:
             return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
-        tensor = device_check(tensor)
+        routed = device_check(tensor)
+        if routed is not None:
+            staged: set[int] | None = getattr(_policy, "staged", None)
+            if staged is not None:  # a routing pickler: its host tensors go as they are
+                staged.update(id(arg) for arg in routed[1] if isinstance(arg, torch.Tensor))
+            return routed
     if tensor.layout == torch.sparse_coo:
         # indices and values are dense tensors: they come back through this table
         return (
@@ -149,6 +158,21 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     )
 
 
+def _reduce_routed_tensor(tensor: torch.Tensor) -> Any:
+    """A tensor of a message whose device map routes CPU tensors too (a ``cpu`` entry): every
+    tensor asks the map first. Only such messages use it; the others keep the fast path.
+    The host tensors inside a routed reduction go as they are (``_policy.staged``)."""
+    if tensor.device.type == "cpu":
+        staged: set[int] = _policy.staged
+        if id(tensor) in staged:
+            return _reduce_tensor(tensor)
+        routed = _policy.device_check(tensor)
+        if routed is not None:
+            staged.update(id(arg) for arg in routed[1] if isinstance(arg, torch.Tensor))
+            return routed
+    return _reduce_tensor(tensor)
+
+
 def _table_ref(index: int) -> torch.Tensor:
     """Unpickling side of a tensor reference: the tensor from the message's table."""
     return _receiving.table[index]
@@ -166,9 +190,12 @@ _PAYLOAD_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_tabl
 _TABLE_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
 _PAYLOAD_DISPATCH[torch.Tensor] = _reduce_tensor_ref
 _TABLE_DISPATCH[torch.Tensor] = _reduce_tensor
+_ROUTED_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
+_ROUTED_DISPATCH[torch.Tensor] = _reduce_routed_tensor
 for _future_type in (torch.futures.Future, torch._C.Future):
     _PAYLOAD_DISPATCH[_future_type] = _reduce_future
     _TABLE_DISPATCH[_future_type] = _reduce_future
+    _ROUTED_DISPATCH[_future_type] = _reduce_future
 
 
 def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
@@ -177,6 +204,7 @@ def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
     elsewhere, such as RRefs, whose pickling forks a reference)."""
     _PAYLOAD_DISPATCH[kind] = reducer
     _TABLE_DISPATCH[kind] = reducer
+    _ROUTED_DISPATCH[kind] = reducer
 
 
 class _PayloadPickler(pickle.Pickler):
@@ -185,6 +213,16 @@ class _PayloadPickler(pickle.Pickler):
 
 class _TablePickler(pickle.Pickler):
     dispatch_table = _TABLE_DISPATCH
+
+
+class _RoutedPickler(pickle.Pickler):
+    """A table pickler for messages whose map routes CPU tensors (always a fresh one)."""
+
+    dispatch_table = _ROUTED_DISPATCH
+
+
+def _routes_cpu(device_check: DeviceCheck | None) -> bool:
+    return device_check is not None and getattr(device_check, "routes_cpu", False)
 
 
 def _fresh(
@@ -308,8 +346,7 @@ def encode(
     bytes as out-of-band buffers -- goes in front of the payload stream. Without ``make_ext``
     (no layer above wants to see the tensors: the common case) the message is one stream with
     the tensors' buffers inline, which costs one pickling pass instead of two.
-    ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g. a
-    CPU copy) or raises.
+    ``device_check`` routes tensors by the device maps (see :data:`DeviceCheck`).
     """
     if _profiler_enabled():
         return _unrecorded(_encode, obj, make_ext, device_check)
@@ -338,7 +375,10 @@ def _encode(
         if not tensors and ext is None:
             return Encoded(payload, payload_buffers, tensors, 0)
         table: pickle.Pickler
-        if reuse:  # this thread's table pickler comes with its payload pickler
+        if _routes_cpu(device_check):
+            table_file, table_buffers, table = _fresh(_RoutedPickler)
+            _policy.staged = set()
+        elif reuse:  # this thread's table pickler comes with its payload pickler
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
             table_file, table_buffers, table = _fresh(_TablePickler)
@@ -351,6 +391,7 @@ def _encode(
     finally:
         _policy.table = previous
         _policy.device_check = None
+        _policy.staged = None
         if reuse:
             cache.release()
 
@@ -391,13 +432,19 @@ def _is_plain(obj: Any) -> bool:
 def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
     if _is_plain(obj):
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
-    file, buffers, pickler, reuse = cache.acquire(table=True)
+    if _routes_cpu(device_check):
+        file, buffers, pickler = _fresh(_RoutedPickler)
+        reuse = False
+        _policy.staged = set()
+    else:
+        file, buffers, pickler, reuse = cache.acquire(table=True)
     _policy.device_check = device_check
     try:
         pickler.dump(obj)
         return Encoded(file.getvalue(), list(buffers), [], 0)
     finally:
         _policy.device_check = None
+        _policy.staged = None
         if reuse:
             cache.release()
 

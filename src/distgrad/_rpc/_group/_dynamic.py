@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from ..._devices._maps import plan_devices
 from ..._errors import DistgradError
 from ..._transport._base import PeerAddress
 from .._core._agent import RpcAgent, current_agent
@@ -125,7 +126,18 @@ def join_group(
                 + " (TensorPipeRpcBackendOptions(secret=...) or $DISTGRAD_SECRET): set the same "
                 "secret on every member, or on none"
             )
-        record = _rendezvous.address_record(me, address, explicit_secret)
+        devices = agent.device_record()
+        plan = plan_devices(
+            me.name,
+            [me.name, *(str(rec["name"]) for rec in records.values())],
+            {
+                me.name: devices,
+                **{str(rec["name"]): rec.get("devices") for rec in records.values()},
+            },
+            is_static_group=False,
+        )
+        agent.set_device_plan(plan)
+        record = _rendezvous.address_record(me, address, explicit_secret, devices)
         store.set(f"distgrad/worker/{me.id}", json.dumps(record))
         workers = [WorkerInfo(str(rec["name"]), rank) for rank, rec in records.items()]
         addresses = {rank: _rendezvous.address_from_record(rec) for rank, rec in records.items()}
@@ -203,6 +215,7 @@ def _member_joined(name: str, rank: int, record: dict[str, Any]) -> None:
     agent = current_agent()
     if agent is not None:
         agent.add_member(WorkerInfo(name, rank), _rendezvous.address_from_record(record))
+        agent.device_member_joined(name, record.get("devices"))
 
 
 def _member_left(rank: int, incarnation: int) -> None:
