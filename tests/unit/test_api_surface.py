@@ -113,7 +113,9 @@ def test_device_map_not_one_to_one_message() -> None:
             "`device_map` only supports 1-to-1 mapping, trying to map cuda:2 and cuda:0 to cuda:1"
         ),
     ):
-        rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {"cuda:0": "cuda:1", "cuda:2": "cuda:1"}})
+        rpc.TensorPipeRpcBackendOptions(
+            device_maps={"w1": {"cuda:0": "cuda:1", "cuda:2": "cuda:1"}}
+        )
 
 
 def test_negative_device_index() -> None:

@@ -46,33 +46,43 @@ def _outcome(fn: Any) -> tuple[str, str]:
     return "ok", repr(value)
 
 
+def _set_twice(first: dict[str, str], second: dict[str, str]) -> Any:
+    def run(kind: Any) -> Any:
+        options = kind()
+        options.set_device_map("w1", first)
+        options.set_device_map("w1", second)
+        return options.device_maps
+
+    return run
+
+
+def _set_devices(kind: Any) -> Any:
+    options = kind()
+    options.set_devices(["cuda:1"])
+    return options.devices
+
+
 OPTION_CASES: dict[str, Any] = {
-    "str map": lambda O: O(device_maps={"w1": {"cuda:0": "cuda:1"}}).device_maps,
-    "cpu entry": lambda O: O(device_maps={"w1": {"cpu": "cuda:1"}}).device_maps,
-    "device objects": lambda O: O(device_maps={"w1": {D("cuda", 0): D("cuda:1")}}).device_maps,
-    "int on a CPU build": lambda O: O(device_maps={"w1": {0: 1}}).device_maps,
-    "int devices": lambda O: O(devices=[0]).devices,
-    "str devices": lambda O: O(devices=["cuda:0", "cuda:2"]).devices,
-    "cpu in devices": lambda O: O(devices=["cpu"]),
-    "meta in devices": lambda O: O(devices=["meta"]),
-    "negative index": lambda O: O(device_maps={"w1": {"cuda:-1": "cuda:1"}}),
-    "two to one": lambda O: O(device_maps={"w1": {"cuda:0": "cuda:1", "cuda:1": "cuda:1"}}),
-    "one to two over calls": lambda O: (
-        lambda o: (
-            o.set_device_map("w1", {"cuda:0": "cuda:0"}),
-            o.set_device_map("w1", {"cuda:0": "cuda:1"}),
-        )
-    )(O()),
-    "two to one over calls (passes, fails at init)": lambda O: (
-        lambda o: (
-            o.set_device_map("w1", {"cuda:0": "cuda:0"}),
-            o.set_device_map("w1", {"cuda:1": "cuda:0"}),
-            o.device_maps,
-        )[-1]
-    )(O()),
-    "set_devices": lambda O: (lambda o: (o.set_devices(["cuda:1"]), o.devices)[-1])(O()),
-    "bad device string": lambda O: O(devices=["gpu:0"]),
-    "duplicated devices (checked at init)": lambda O: O(devices=["cuda:0", "cuda:0"]).devices,
+    "str map": lambda kind: kind(device_maps={"w1": {"cuda:0": "cuda:1"}}).device_maps,
+    "cpu entry": lambda kind: kind(device_maps={"w1": {"cpu": "cuda:1"}}).device_maps,
+    "device objects": lambda kind: (
+        kind(device_maps={"w1": {D("cuda", 0): D("cuda:1")}}).device_maps
+    ),
+    "int on a CPU build": lambda kind: kind(device_maps={"w1": {0: 1}}).device_maps,
+    "int devices": lambda kind: kind(devices=[0]).devices,
+    "str devices": lambda kind: kind(devices=["cuda:0", "cuda:2"]).devices,
+    "cpu in devices": lambda kind: kind(devices=["cpu"]),
+    "meta in devices": lambda kind: kind(devices=["meta"]),
+    "negative index": lambda kind: kind(device_maps={"w1": {D("cuda", -1): "cuda:1"}}),
+    "bad index string": lambda kind: kind(device_maps={"w1": {"cuda:-1": "cuda:1"}}),
+    "two to one": lambda kind: kind(device_maps={"w1": {"cuda:0": "cuda:1", "cuda:1": "cuda:1"}}),
+    "one to two over calls": _set_twice({"cuda:0": "cuda:0"}, {"cuda:0": "cuda:1"}),
+    "two to one over calls (passes, fails at init)": _set_twice(
+        {"cuda:0": "cuda:0"}, {"cuda:1": "cuda:0"}
+    ),
+    "set_devices": _set_devices,
+    "bad device string": lambda kind: kind(devices=["gpu:0"]),
+    "duplicated devices (checked at init)": lambda kind: kind(devices=["cuda:0", "cuda:0"]).devices,
 }
 
 
@@ -207,7 +217,7 @@ def test_plan_from_published_records() -> None:
     assert not plan_devices("a", ["a"], {"a": None}).used  # an older peer published none
     published["b"] = maps_to_record(1, {}, [])
     for me in ("a", "b"):
-        with pytest.raises(ValueError, match="^Node a has target devices with invalid indices"):
+        with pytest.raises(ValueError, match=r"^Node a has target devices with invalid indices"):
             plan_devices(me, ["a", "b"], published)
 
 
