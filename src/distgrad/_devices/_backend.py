@@ -145,6 +145,8 @@ def receiver() -> DeviceBackend:
 def _arrive(host: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
     """Unpickling side of a staged tensor: put its bytes on ``device`` (this process's
     backend), as a leaf that requires grad if the sent tensor did."""
+    if device == "cpu":  # a device tensor mapped to this worker's CPU: the bytes are it
+        return host.requires_grad_() if requires_grad else host
     Process.seen = True
     out = receiver().arrive(host, torch.device(device))
     if requires_grad:

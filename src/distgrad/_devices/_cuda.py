@@ -105,4 +105,8 @@ class CudaBackend(DeviceBackend):
 
     def new_future(self, kind: type[Any], devices: list[torch.device]) -> Any:
         cuda = [d for d in devices if d.type == "cuda"]
-        return kind(devices=cuda) if cuda else kind()
+        if not cuda:
+            return kind()
+        future = kind(devices=cuda)
+        future._device_list = cuda  # (RpcFuture: ``then`` passes the devices on)
+        return future
