@@ -3,6 +3,7 @@
 Layers, each using only the ones listed before it (never the other way round)::
 
     _wire       framing, the tensor-aware pickler, limits         (bytes <-> messages)
+    _devices    device maps, staging and streams of device tensors (beside _wire)
     _transport  connections, handshake, TLS, heartbeats, I/O thread (messages <-> peers)
     _rpc        the agent: rendezvous, calls, futures, shutdown   (calls <-> messages)
     autograd    contexts, send/recv functions, backward engine     (later)

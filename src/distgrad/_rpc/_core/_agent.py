@@ -47,8 +47,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from ... import _config
 from ..._devices._backend import DeviceBackend, install_receiver
+from ..._devices._cuda import CudaBackend
 from ..._devices._maps import DevicePlan, default_devices, maps_from_record, maps_to_record
 from ..._errors import PeerFailureError, RpcShutdownError
 from ..._omp import join_openmp_runtime
@@ -165,14 +168,11 @@ class RpcAgent(Outgoing, Serving):
         backend = self._chosen_backend()
         if backend is None:
             backend = self._codec.backend
-            if any(d.type == "cuda" for d in plan.devices) and backend.name == "cpu":
-                import torch
-
-                if torch.cuda.is_available():
-                    from ..._devices._cuda import CudaBackend
-
-                    torch.cuda.init()  # type: ignore[no-untyped-call]  # as torch: before any peer sends CUDA tensors here
-                    backend = CudaBackend()
+            wants_cuda = any(d.type == "cuda" for d in plan.devices)
+            if wants_cuda and backend.name == "cpu" and torch.cuda.is_available():
+                # as torch: CUDA's state is set up before any peer sends CUDA tensors here
+                torch.cuda.init()  # type: ignore[no-untyped-call]
+                backend = CudaBackend()
         if plan.used:
             install_receiver(backend)
         self._codec.set_device_plan(plan, backend)
