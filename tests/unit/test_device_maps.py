@@ -257,7 +257,8 @@ class _Staging(DeviceBackend):
 def test_codec_uses_the_request_map_the_reverse_map_and_a_message_map() -> None:
     """Requests to a peer route by this worker's map to it, responses by the inverse of the
     peer's map to this worker, a gradient message by the map it brings; CPU tensors go through
-    the map only where it has a ``cpu`` entry (``routes_cpu``)."""
+    the map only where it has a ``cpu`` entry (``routes_cpu``); a callee's output on a device
+    outside its ``devices`` fails with torch's message."""
     options = rpc.TensorPipeRpcBackendOptions()
     codec = Codec(options, {1: WorkerInfo("w1", 1)}, str)
     backend = _Staging()
@@ -283,6 +284,14 @@ def test_codec_uses_the_request_map_the_reverse_map_and_a_message_map() -> None:
         ("meta", "cuda:7"),
     ]
     assert codec.device_check("Request", 1) is request  # cached per direction and peer
+    codec.set_device_plan(DevicePlan(reverse=plan.reverse, devices=[D("cuda:0")]), backend)
+    with pytest.raises(RuntimeError) as outside:  # a callee's output outside its devices
+        codec.device_check("Response", 1)(tensor)
+    assert str(outside.value) == (
+        "RPC detected that a user-function output tensor on device meta. This device is not "
+        "one of the input tensor devices: cuda:0, which is not yet supported. Please file a "
+        "feature request issue in PyTorch GitHub repo."
+    )
     codec.set_device_plan(DevicePlan(), DeviceBackend())
     with pytest.raises(
         RuntimeError, match="Request device mapping is not available for destination w1"

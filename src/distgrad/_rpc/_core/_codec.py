@@ -149,7 +149,7 @@ class DeviceRouter:
         target = route(device, self.map, self.direction, self.peer)
         if target is None:
             return None
-        if self.direction == "Response" and device.type == "cuda" and device not in self.devices:
+        if self.direction == "Response" and device.type != "cpu" and device not in self.devices:
             devices = ", ".join(str(d) for d in self.devices)
             raise RuntimeError(
                 f"RPC detected that a user-function output tensor on device {device}. This "
