@@ -65,16 +65,22 @@ def twice(x: torch.Tensor) -> torch.Tensor:
 
 
 BOTH_WAYS = {"cpu": "cuda:0", "cuda:0": "cpu"}  # CPU tensors go to cuda:0 and come back
+BOTH_WAYS_D = {D(k): D(v) for k, v in BOTH_WAYS.items()}
 
 
 def test_requests_go_by_the_map_and_responses_by_the_reverse(fake: Any) -> None:
-    """worker0 -> worker1 routes CPU tensors by worker0's map (they land on cuda:0 there);
+    """worker0 -> worker1 routes CPU tensors by worker0's map (they land on cuda:0 there; the
+    agent's ``_get_device_map`` says so, as torch's);
     worker1's answer goes by the inverse of that map (back on worker0's ``cpu -> cuda:0``
     entry inverted), never by worker1's own map to worker0 (``cpu -> cuda:1``)."""
     opts = [_options({"worker1": BOTH_WAYS}), _options({"worker0": {"cpu": "cuda:1"}})]
     with open_world(2, options=opts) as world:
         plan0, plan1 = (a.device_plan for a in world.agents)
         assert plan1.reverse == {"worker0": {D("cuda:0"): D("cpu"), D("cpu"): D("cuda:0")}}
+        assert world.agents[0]._get_device_map(world.agents[1].worker_info) == BOTH_WAYS_D
+        assert world.agents[1]._get_device_map(world.agents[0].worker_info) == {
+            D("cpu"): D("cuda:1")
+        }
         assert plan0.devices == [D("cuda:0"), D("cuda:1")] and plan1.devices == [D("cuda:0")]
 
         def program(rank: int) -> Any:
@@ -165,7 +171,9 @@ def test_no_map_errors_are_torchs_and_nothing_waits(fake: Any) -> None:
 
 
 def test_a_joiners_maps_are_validated_against_the_members(fake: Any) -> None:
-    """Dynamic groups: a member's responses to a joiner use the inverse of the joiner's map."""
+    """Dynamic groups: once a joiner is announced (it validated everyone's maps), a member's
+    responses to it use the inverse of the joiner's map and default devices are derived
+    again."""
     with open_world(2, options=[_options({}), _options({})], dynamic=True) as world:
         agent0 = world.agents[0]
         agent0.device_member_joined(

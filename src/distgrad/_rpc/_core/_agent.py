@@ -215,6 +215,15 @@ class RpcAgent(Outgoing, Serving):
             install_receiver(backend)
         self._codec.set_device_plan(plan, backend)
 
+    def _get_device_map(self, to: WorkerInfo) -> dict[torch.device, torch.device]:
+        """torch's ``TensorPipeAgent._get_device_map``: this worker's map to ``to`` (empty:
+        none), what its requests to ``to`` use."""
+        return dict(self._codec.plan.maps.get(to.name, {}))
+
+    def _get_backend_options(self) -> TensorPipeRpcBackendOptions:
+        """torch's ``TensorPipeAgent._get_backend_options``: the options this agent runs with."""
+        return self.options
+
     def device_member_joined(self, name: str, record: dict[str, Any] | None) -> None:
         """A member joined a dynamic group (it validated everyone's maps): responses to it
         use the inverse of its map to this worker, and default devices are derived again
