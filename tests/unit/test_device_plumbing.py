@@ -181,3 +181,37 @@ def test_a_joiners_maps_are_validated_against_the_members(fake: Any) -> None:
         )
         assert agent0.device_plan.reverse == {"late": {D("cuda:1"): D("cpu")}}
         assert agent0.device_plan.devices == [D("cuda:1")]
+
+
+def test_staged_tensors_round_trip_through_the_pickler(fake: Any) -> None:
+    """A message routed by a ``cpu -> cuda:0`` map, inline and with a tensor table: every
+    tensor is staged once (a tensor twice in the message stays one object), values, views'
+    values and ``requires_grad`` survive, and the receiver's arrivals name the device."""
+    from distgrad._devices import _backend
+    from distgrad._devices._maps import DevicePlan
+    from distgrad._rpc._core._codec import Codec
+    from distgrad._rpc._core._worker_info import WorkerInfo
+    from distgrad._wire._pickler import decode, encode
+
+    codec = Codec(world_options(), {1: WorkerInfo("w1", 1)}, str)
+    codec.set_device_plan(DevicePlan(maps={"w1": {D("cpu"): D("cuda:0")}}), FakeCuda())
+    router = codec.device_check("Request", 1)
+    base = torch.arange(12.0).reshape(3, 4)
+    weight = torch.ones(2, requires_grad=True)
+    payload = {"a": base, "again": base, "view": base.t(), "w": weight, "n": 3}
+    previous = _backend.Process.backend
+    _backend.install_receiver(FakeCuda())
+    try:
+        for make_ext in (None, len):
+            fake.arrived.clear()
+            encoded = encode(payload, make_ext, router)
+            ext, got = decode(encoded.meta, [b.raw() for b in encoded.buffers], encoded.flags)
+            arrivals = _backend.take_arrivals()
+            assert arrivals is not None and list(arrivals.streams) == [D("cuda:0")]
+            assert got["again"] is got["a"] and torch.equal(got["a"], base)
+            assert torch.equal(got["view"], base.t()) and got["n"] == 3
+            assert got["w"].requires_grad and torch.equal(got["w"].detach(), weight.detach())
+            assert len(fake.arrived) == 3 == len(arrivals.tensors)  # base, its view, weight
+            assert ext == (None if make_ext is None else 3)
+    finally:
+        _backend.Process.backend = previous
