@@ -23,6 +23,8 @@ cycles: function-local and type-only imports count; tests/unit/test_import_graph
     profiler, testing
     _cli, _launcher, _slurm,    ``distgrad demo``, ``distgrad run``
     _demo, __main__
+    _patch                      the switch that makes distgrad torch's RPC
+                                (``patch_torch``; on the public modules)
 
 The public, torch-shaped modules are :mod:`distgrad.rpc`, :mod:`distgrad.autograd`,
 :mod:`distgrad.optim`, :mod:`distgrad.nn`, :mod:`distgrad.profiler` and
@@ -33,4 +35,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["__version__"]
+# light: importing it imports neither torch nor the RPC (the start-up hook imports it)
+from ._patch._api import patch_torch, patched
+
+__all__ = ["__version__", "patch_torch", "patched"]
