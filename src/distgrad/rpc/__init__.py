@@ -19,6 +19,7 @@ from .._errors import (
     RpcShutdownError,
     RpcTimeoutError,
 )
+from .._profiler import _server as _server_profiler
 from .._rpc import _api as _api_impl
 from .._rpc._api import (
     get_rpc_timeout,
@@ -29,6 +30,7 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
+from .._rpc._core import _agent as _agent_impl
 from .._rpc._core import _options as _options_impl
 from .._rpc._core._events import MembershipEvent
 from .._rpc._core._options import (
@@ -97,6 +99,28 @@ _is_current_rpc_agent_set = api._is_current_rpc_agent_set
 _get_current_rpc_agent = api._get_current_rpc_agent
 _delete_all_user_and_unforked_owner_rrefs = api._delete_all_user_and_unforked_owner_rrefs
 PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
+#: torch's agent class (programs check ``isinstance`` against the current agent): distgrad's
+#: one agent class, whatever the backend (``FAULTY_TENSORPIPE`` included, as torch's faulty
+#: agent is a ``TensorPipeAgent``)
+TensorPipeAgent = _agent_impl.RpcAgent
+_server_process_global_profile = _server_profiler._server_process_global_profile
+
+
+@_api_impl._require_initialized
+def enable_gil_profiling(flag: bool) -> None:
+    """Turn on (or off) the timing that ``agent.gil_average_wait_time_us`` in the agent's
+    ``get_debug_info()`` / ``get_metrics()`` reports: the average wait, in microseconds, of a
+    request served here between its arrival and a worker thread running Python for it -- the
+    thread's wake-up and its taking of the GIL (torch's ``rpc.enable_gil_profiling``; torch
+    times its C++ threads' GIL acquisitions).
+
+    Args:
+        flag (bool): ``True`` to start (figures reset), ``False`` to stop.
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+    """
+    _get_current_rpc_agent().enable_gil_profiling(flag)
 
 
 def _rref_context_get_debug_info() -> dict[str, str]:

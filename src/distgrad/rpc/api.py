@@ -29,6 +29,8 @@ _ignore_rref_leak = True
 _wait_all = _api_impl.wait_all
 _all_gather = _collectives.all_gather
 _barrier = _collectives.barrier
+# what the leader of _all_gather calls on each follower (torch's name)
+_broadcast_to_followers = _collectives._broadcast_to_followers
 _wait_all_workers = _collectives.wait_all_workers
 PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
 # names torch's module has too (libraries call ``rpc.api._require_initialized``)

@@ -97,7 +97,10 @@ def init_rpc(
         world_size (int, optional): number of workers in a static group. ``None`` (the
             default) with ``init_method="env://"`` reads ``WORLD_SIZE``; without it (or with
             ``tcp://`` or ``file://``) the worker joins a *dynamic* group whose members join
-            and leave, led by rank 0 (docs/elastic.md).
+            and leave, led by rank 0 (docs/elastic.md). With ``tcp://``/``env://``, rank 0
+            hosts the group's store and its death ends joins, unless the store lives outside
+            the members (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``) or
+            ``file://`` on shared storage is used.
         rpc_backend_options (TensorPipeRpcBackendOptions, optional): timeouts, the rendezvous
             ``init_method`` (``env://`` by default: ``MASTER_ADDR`` and ``MASTER_PORT``; also
             ``tcp://host:port`` and ``file://path``), worker threads and distgrad's own
