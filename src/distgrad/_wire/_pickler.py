@@ -6,11 +6,12 @@ copied into the pickle stream. The buffers travel after the stream in the same f
 received into freshly allocated memory that becomes the new tensor's storage.
 
 A tensor that owns exactly its storage (the common case) sends exactly ``numel * itemsize``
-bytes. Any other strided tensor (a view, a slice) follows torch's rule: cloned when its
-storage is at least 8 KiB and at least twice the bytes the tensor uses (so a small slice never
-drags a large storage along), otherwise sent with its whole storage, strides and storage
-offset kept -- it arrives laid out as it was, and views of one storage in one message arrive
-sharing one storage. The receiver checks every view against the storage it received.
+bytes. Any other strided tensor (a view, a slice, a lazy conjugate or negative view) follows
+torch's rule: cloned when its storage is at least 8 KiB and at least twice the bytes the
+tensor uses (so a small slice never drags a large storage along), otherwise sent with its
+whole storage, strides, storage offset and lazy bits kept -- it arrives laid out as it was,
+and views of one storage in one message arrive sharing one storage. The receiver checks
+every view against the storage it received.
 
 Sparse COO tensors travel as their (dense) indices and values. Other layouts and tensor
 subclasses fall back to their own ``__reduce_ex__``, whose inner plain tensors come back
@@ -42,6 +43,8 @@ import torch
 from .._errors import DistgradError
 from ._buffers import (
     _CODE_OF_DTYPE,
+    _CONJ,
+    _NEG,
     _STRIDED,
     _rebuild_array,
     _rebuild_array_grad,
@@ -117,14 +120,14 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
                 _rebuild_array_grad if requires_grad else _rebuild_array,
                 (pickle.PickleBuffer(array), code, tuple(tensor.shape)),  # type: ignore[arg-type]
             )
-    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views: materialise
-        tensor = tensor.resolve_conj().resolve_neg()
     requires_grad = tensor.requires_grad
     if tensor.device.type != "cpu":
         device_check = _policy.device_check
         if device_check is None:
             return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
         tensor = device_check(tensor)
+    if tensor.layout != torch.strided and (tensor.is_conj() or tensor.is_neg()):
+        tensor = tensor.resolve_conj().resolve_neg()  # (a strided one keeps its bits)
     if tensor.layout == torch.sparse_coo:
         # indices and values are dense tensors: they come back through this table
         return (
@@ -151,7 +154,8 @@ def _reduce_view(tensor: torch.Tensor, code: int | None, requires_grad: bool) ->
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
     if nbytes >= _RECOPY_BYTES and nbytes >= 2 * tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()  # (torch's: the layout is kept where it is dense)
+        # (torch's: the layout is kept where it is dense; lazy conjugate/negative bits resolved)
+        tensor = tensor.clone()
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
     shared = _policy.storages
@@ -168,18 +172,18 @@ def _view_of(
     first: _Storage | torch.Tensor, tensor: torch.Tensor, code: int | None, requires_grad: bool
 ) -> Any:
     """``tensor`` as a view of the storage that ``first`` carries in this message: the
-    storage's bytes, or a tensor (owning its storage exactly) pickled earlier in it."""
-    return (
-        _rebuild_view,
-        (
-            first,
-            tensor.dtype if code is None else code,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.storage_offset(),
-            requires_grad,
-        ),
+    storage's bytes, or a tensor (owning its storage exactly) pickled earlier in it. A lazy
+    conjugate or negative view keeps its bit (the storage holds the unconjugated values)."""
+    args = (
+        first,
+        tensor.dtype if code is None else code,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.storage_offset(),
+        requires_grad,
     )
+    bits = (_CONJ if tensor.is_conj() else 0) | (_NEG if tensor.is_neg() else 0)
+    return (_rebuild_view, (*args, bits) if bits else args)
 
 
 class _Storage:
