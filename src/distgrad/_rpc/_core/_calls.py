@@ -155,6 +155,7 @@ class _Call:
         "future",
         "internal",
         "lock",
+        "sending",
         "slot",
         "timeout",
     )
@@ -177,6 +178,9 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: its sender is writing the request: a loss of the link meanwhile is the sender's to
+        #: judge (the frame may not have left: it is then sent again), not the I/O thread's
+        self.sending = True
         self.lock: threading.Lock | None = None
         #: for internal calls: called with (result, error) where the answer arrives
         self.callback = callback

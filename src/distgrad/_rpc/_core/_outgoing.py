@@ -144,8 +144,9 @@ class Outgoing:
                 )
             except FrameNotSentError as exc:
                 # The connection was found dead before any byte of the request left: the peer
-                # cannot have run it, so it goes once more, on a fresh connection.
-                if calls.pop(cid) is None:  # failed meanwhile with its connection
+                # cannot have run it, so it goes once more, on a fresh connection. (The loss
+                # of the link left this call alone: it is still being sent, see _call_table.)
+                if calls.pop(cid) is None:  # the agent stopped meanwhile
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
                 calls.add(call)
@@ -167,8 +168,10 @@ class Outgoing:
         finally:
             if extension is not None:
                 extension.sent()
+        calls.sent(call)
         # The link broke after the call was registered: its failure may have taken the calls
-        # out before this one was in (see _call_table), so fail it here if it is still there.
+        # out before this one was in, or while it was being written (see _call_table), so
+        # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
             self._done(call)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
