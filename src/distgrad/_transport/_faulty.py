@@ -447,6 +447,10 @@ class FaultyTransport:
     def connection(self, rank: int) -> FaultyLink:
         return self.wrap(self.inner.connection(rank))
 
+    def open_link(self, rank: int) -> FaultyLink | None:
+        link = self.inner.open_link(rank)
+        return None if link is None else self.wrap(link)
+
     def is_dead(self, rank: int) -> bool:
         return self.inner.is_dead(rank)
 

@@ -221,6 +221,11 @@ class SocketTransport(Accepting, Dialing):
             return conn
         return self._connect(rank)
 
+    def open_link(self, rank: int) -> Connection | LoopbackConnection | None:
+        """The connection to ``rank`` if one is open now (never dials, never waits)."""
+        conn = self._out.get(rank)
+        return conn if conn is not None and not conn.closed else None
+
     def is_dead(self, rank: int) -> bool:
         """True once ``rank`` is known to be dead (every later send to it fails)."""
         return rank in self._dead

@@ -66,6 +66,7 @@ from . import _layer
 from ._call_table import CallTable
 from ._codec import Codec
 from ._current import bind_thread, current_agent, set_current_agent, thread_binding
+from ._dialer import Dialer
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
 from ._pool import ThreadPool
@@ -129,6 +130,7 @@ class RpcAgent(Outgoing, Serving):
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
+        self._dialer = Dialer(on_start=bind)
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
@@ -370,6 +372,7 @@ class RpcAgent(Outgoing, Serving):
             self._workers.stop()
         if self._transport is not None:
             self._transport.close(graceful)
+        self._dialer.stop(timeout=0.2)
         self._fail_all_calls(RpcShutdownError("RPC agent was shut down before the call completed"))
         self._workers.stop()
         self._callbacks.stop()

@@ -19,6 +19,7 @@ import torch
 
 from ..._errors import (
     MAYBE_RUN,
+    DistgradError,
     FrameNotSentError,
     InjectedFailureError,
     PeerFailureError,
@@ -34,6 +35,7 @@ from . import _extension, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
+from ._dialer import Dialer
 from ._extension import CallRecord
 from ._messages import describe_request
 from ._pool import ThreadPool
@@ -65,6 +67,7 @@ class Outgoing:
     _active: int
     _active_lock: threading.Lock
     _io: IoThread
+    _dialer: Dialer
     _workers: ThreadPool
     _callbacks: ThreadPool
     _pools: tuple[ThreadPool, ...]
@@ -267,6 +270,8 @@ class Outgoing:
 
         def incarnation_of(self, rank: int) -> int: ...
 
+        def peer_is_dead(self, dst: int) -> bool: ...
+
     def call_internal(
         self,
         dst: int,
@@ -297,7 +302,81 @@ class Outgoing:
         that write's frame), or at the latest with the next heartbeat tick
         (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
         no wake-up of the peer of their own. Such a message is lost if the connection fails
-        before it went out."""
+        before it went out.
+
+        On the I/O thread it never dials (see ``_dialer``): with no connection open to ``dst``,
+        the message is sent by ``dst``'s dialing thread once it has connected (and a failure
+        there is only logged)."""
+        if self.state.stopped:
+            raise self._stopped_error("NOTIFY")
+        if not self._io.in_loop():
+            self._notify(dst, func, args, later)
+            return
+        if self._writable_now(dst):
+            try:
+                self._notify(dst, func, args, later, redial=False)
+                return
+            except FrameNotSentError:
+                pass  # (the connection broke: a new one is dialed off this thread)
+        self._dialer.submit(dst, lambda: self._notify_logged(dst, func, args, 1))
+
+    def post(
+        self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False, attempts: int = 1
+    ) -> None:
+        """:meth:`notify` for a message nothing waits for, from any thread, without ever
+        blocking the caller: written now if a connection to ``dst`` is open, else (or if that
+        write finds the connection broken) sent by ``dst``'s dialing thread, which connects
+        first and tries ``attempts`` times in all while connections break (never to a peer
+        proved dead). Raises nothing: a message that cannot be delivered is logged (debug)."""
+        if self.state.stopped:
+            return
+        if self._writable_now(dst):
+            try:
+                self._notify(dst, func, args, later, redial=False)
+                return
+            except RpcShutdownError:
+                return
+            except FrameNotSentError:
+                pass  # (not sent: the dialing thread sends it on a new connection)
+            except DistgradError as exc:
+                if attempts <= 1 or self.peer_is_dead(dst):
+                    _log.debug("one-way %s to %s not sent: %s", func, dst, exc)
+                    return
+                attempts -= 1
+        self._dialer.submit(dst, lambda: self._notify_logged(dst, func, args, attempts))
+
+    def _writable_now(self, dst: int) -> bool:
+        """Whether a message to ``dst`` can be written without dialing or waiting (a connection
+        is open and nothing queued for ``dst`` waits for a dial)."""
+        if self._dialer.busy(dst):
+            return False
+        if dst == self.worker_info.id:
+            return True  # (the connection to this worker itself never waits)
+        assert self._transport is not None
+        return self._transport.open_link(dst) is not None
+
+    def _notify_logged(self, dst: int, func: Any, args: tuple[Any, ...], attempts: int) -> None:
+        """Send now, dialing if needed, ``attempts`` times while connections break (a dialing
+        thread's part of :meth:`notify` and :meth:`post`)."""
+        for attempt in range(attempts):
+            if self.state.stopped:
+                return
+            try:
+                self._notify(dst, func, args, False)
+                return
+            except RpcShutdownError:
+                return
+            except DistgradError as exc:
+                if attempt + 1 == attempts or self.peer_is_dead(dst):
+                    _log.debug("one-way %s to %s not sent: %s", func, dst, exc)
+                    return
+
+    def _notify(
+        self, dst: int, func: Any, args: tuple[Any, ...], later: bool, *, redial: bool = True
+    ) -> None:
+        """Write the message on the connection to ``dst`` (dialed if none is open). A frame
+        found not sent (a broken connection) goes once more on a new one -- unless not
+        ``redial``: the ``FrameNotSentError`` is raised then."""
         if self.state.stopped:
             raise self._stopped_error("NOTIFY")
         assert self._transport is not None
@@ -313,6 +392,8 @@ class Outgoing:
         try:
             conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
         except FrameNotSentError:  # not sent at all: once more, on a fresh connection
+            if not redial:
+                raise
             conn = self._transport.connection(dst)
             conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
 
