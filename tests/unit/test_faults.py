@@ -223,7 +223,7 @@ def test_a_frozen_worker_is_suspected_and_called_again_once_thawed() -> None:
         assert not world.agents[0].peer_is_dead(1)
         # a new connection to it: its handshake is not answered, within the peer timeout
         started = time.monotonic()
-        with pytest.raises(PeerFailureError, match="handshake .* timed out"):
+        with pytest.raises(PeerFailureError, match=r"handshake .* timed out"):
             world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))
         assert time.monotonic() - started < 2
         assert not world.agents[0].peer_is_dead(1)
