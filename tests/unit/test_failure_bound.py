@@ -55,9 +55,7 @@ def test_a_call_to_a_frozen_peer_fails_within_the_bound(
     """worker0's call to worker1, frozen as the call goes out, fails naming worker1 within
     peer_timeout + heartbeat_interval (+ slack for load) -- inside a context too, where the
     context's cleanup to worker1 used to re-dial it on the caller's thread first."""
-    options = world_options(
-        heartbeat_interval=HEARTBEAT, peer_timeout=PEER_TIMEOUT, rpc_timeout=0
-    )
+    options = world_options(heartbeat_interval=HEARTBEAT, peer_timeout=PEER_TIMEOUT, rpc_timeout=0)
     in_context = context == "in-context"
     with open_world(3, options=options, faults=[], dynamic=group == "dynamic") as world:
         assert world.faults is not None
