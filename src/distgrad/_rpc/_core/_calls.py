@@ -156,6 +156,7 @@ class _Call:
         "internal",
         "lock",
         "sending",
+        "settle",
         "slot",
         "timeout",
     )
@@ -181,6 +182,8 @@ class _Call:
         #: its sender is writing the request: a loss of the link meanwhile is the sender's to
         #: judge (the frame may not have left: it is then sent again), not the I/O thread's
         self.sending = True
+        #: what the objects pickled into the request want run if it fails (``_delivery``)
+        self.settle: list[Callable[[bool], None]] | None = None
         self.lock: threading.Lock | None = None
         #: for internal calls: called with (result, error) where the answer arrives
         self.callback = callback

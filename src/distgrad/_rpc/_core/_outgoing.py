@@ -31,7 +31,7 @@ from ..._transport._base import Link, Transport
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _extension, _profiling
+from . import _delivery, _extension, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -109,18 +109,29 @@ class Outgoing:
         extension = _extension.get_extension()
         check = self._codec.device_check("Request", dst.id)
         made: list[CallRecord | None] = []  # the extension's ext, once made
-        if extension is None or internal or not extension.active():
-            extension = None
-            encoded = encode(payload, device_check=check)
-        else:
+        encoding = _delivery.encoding  # (what is pickled into it may ask to hear of failure)
+        settle: _delivery.FailureCallbacks = []
+        encoding.dst = dst.id
+        encoding.callbacks = settle
+        try:
+            if extension is None or internal or not extension.active():
+                extension = None
+                encoded = encode(payload, device_check=check)
+            else:
 
-            def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
-                assert extension is not None
-                made.append(extension.outgoing_request(dst.id, tensors, force))
-                return made[-1]
+                def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
+                    assert extension is not None
+                    made.append(extension.outgoing_request(dst.id, tensors, force))
+                    return made[-1]
 
-            encoded = encode(payload, make_ext, check)
-        size = self._codec.check_size(encoded, dst.id)
+                encoded = encode(payload, make_ext, check)
+            size = self._codec.check_size(encoded, dst.id)
+        except BaseException:
+            _delivery.run_failure_callbacks(settle, False)  # never sent
+            raise
+        finally:
+            encoding.dst = -1
+            encoding.callbacks = None
         calls = self._calls
         cid = calls.next_id()
         call = _Call(
@@ -131,6 +142,8 @@ class Outgoing:
             internal=internal,
             callback=callback,
         )
+        if settle:
+            call.settle = settle
         if not internal:
             with self._active_lock:
                 self._active += 1
@@ -159,6 +172,7 @@ class Outgoing:
         except FrameNotSentError as exc:
             if calls.pop(cid) is not None:
                 self._done(call)
+            _delivery.run_failure_callbacks(call.settle, False)
             raise PeerFailureError(
                 f"{exc} (the request was not sent: it was tried again on a new connection, "
                 "which failed too)",
@@ -167,6 +181,7 @@ class Outgoing:
         except BaseException:
             if calls.pop(cid) is not None:
                 self._done(call)
+            _delivery.run_failure_callbacks(call.settle, False)  # (nothing was written)
             raise
         finally:
             if extension is not None:
@@ -177,6 +192,7 @@ class Outgoing:
         # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
             self._done(call)
+            _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
         return call
 
@@ -226,6 +242,7 @@ class Outgoing:
                 if not lock.acquire(timeout=call.timeout):
                     if self._calls.pop(call.cid) is not None:
                         self._done(call)
+                        _delivery.run_failure_callbacks(call.settle, True)
                         raise RpcTimeoutError(rpc_timeout_message(call.timeout))
                     lock.acquire()  # completed while we timed out: take the result
             else:
@@ -522,6 +539,10 @@ class Outgoing:
         """Hand a finished call (taken out of the table; frame or error set) to whoever waits
         for it."""
         self._done(call)
+        if call.settle is not None:
+            frame = call.frame
+            if call.error is not None or frame is None or frame.kind == Kind.ERROR:
+                _delivery.run_failure_callbacks(call.settle, True)  # (it may have arrived)
         if call.lock is not None:
             call.lock.release()
         elif call.callback is not None:
