@@ -4,6 +4,9 @@
 * ``_outgoing``: a call is encoded, registered in the calls table (``_call_table``, which
   also holds the timeout wheel) and sent; its answer, timeout, peer failure or the agent
   stopping completes or fails it;
+* ``_oneway``: one-way messages (``notify``, ``post``) and retried internal requests; a send
+  that would have to dial where nothing may wait (the I/O thread, a context's cleanup) goes
+  to the dialing threads (``_dialer``);
 * ``_serving``: a request is decoded, waits for the confirmations of the RRefs it carries,
   runs and is answered; notifications run their handlers;
 * ``_current``: which agent a thread belongs to.
@@ -67,6 +70,7 @@ from ._call_table import CallTable
 from ._codec import Codec
 from ._current import bind_thread, current_agent, set_current_agent, thread_binding
 from ._dialer import Dialer
+from ._oneway import OneWay
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
 from ._pool import ThreadPool
@@ -79,7 +83,7 @@ _log = logging.getLogger("distgrad.rpc")
 __all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
 
 
-class RpcAgent(Outgoing, Serving):
+class RpcAgent(Outgoing, OneWay, Serving):
     """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``.
 
     ``transport`` builds the transport that moves its frames (sockets for ``init_rpc``; see
