@@ -78,3 +78,27 @@ def test_a_leave_does_not_wait_for_a_fork_sent_to_an_owner_that_was_replaced(
             took = _timed_leave(world, 0)
         assert took < QUICK, took
         assert "not settled in time" not in caplog.text
+
+
+def test_a_leave_does_not_wait_for_an_owner_that_stays_frozen(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """worker0's call carrying an RRef to its owner, worker1, fails because worker1 is frozen,
+    and stays frozen while worker0 leaves: neither the child fork nor the delete of worker0's
+    user is waited for (worker1's calls failed already), so the leave is quick."""
+    options = world_options(rpc_timeout=5.0, peer_timeout=0.5, heartbeat_interval=0.05)
+    with open_world(3, options=options, faults=[], dynamic=True) as world:
+        assert world.faults is not None
+        rref = world.run_on(0, rpc.remote, "worker1", make_value)
+        assert torch.equal(world.run_on(0, rref.to_here), torch.ones(2))
+        world.faults.freeze(1)
+        with pytest.raises(PeerFailureError, match="worker1"):
+            world.run_on(0, rpc.rpc_sync, "worker1", use_rref, (rref,))
+        del rref
+        with caplog.at_level("WARNING", logger="distgrad.rpc"):
+            took = _timed_leave(world, 0)
+        assert took < QUICK, took
+        assert "not settled in time" not in caplog.text
+        assert "not acknowledged in time" not in caplog.text
+        world.faults.thaw(1)
+        world.kill(1)

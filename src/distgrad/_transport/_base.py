@@ -218,6 +218,11 @@ class Transport(Protocol):
         """True once ``rank`` is known to be dead (every later send to it fails)."""
         ...
 
+    def is_suspected(self, rank: int) -> bool:
+        """True while ``rank`` is suspected: its last connection was lost without proof of
+        death and no new one was opened since."""
+        ...
+
     def check_alive(self, rank: int) -> None:
         """Raise the peer's failure if it is known to be dead."""
         ...

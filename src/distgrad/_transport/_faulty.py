@@ -454,6 +454,9 @@ class FaultyTransport:
     def is_dead(self, rank: int) -> bool:
         return self.inner.is_dead(rank)
 
+    def is_suspected(self, rank: int) -> bool:
+        return self.inner.is_suspected(rank)
+
     def check_alive(self, rank: int) -> None:
         self.inner.check_alive(rank)
 

@@ -106,6 +106,8 @@ class MemoryTransport:
         self._lock = threading.Lock()  # the tables; never held while taking another's
         self._connect_locks: dict[int, threading.Lock] = {}
         self._dead: dict[int, PeerFailureError] = {}
+        #: peers whose last link was lost without proof of death (as SocketTransport's)
+        self._suspected: set[int] = set()
         self._incarnations: dict[int, int] = {}
         self._retired: set[tuple[int, int]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
@@ -172,6 +174,7 @@ class MemoryTransport:
                 return True
             self._retired.add((rank, known))
             self._dead.pop(rank, None)
+            self._suspected.discard(rank)
             stale = [k for k in self._links if k.peer == rank and k.incarnation == known]
         label = self._label(rank)
         failure = PeerFailureError(
@@ -207,6 +210,7 @@ class MemoryTransport:
                 return link
             link = self._open(rank)
             with self._lock:
+                self._suspected.discard(rank)  # back: it answered a fresh handshake
                 self._out[rank] = link
                 self._links.add(link)
                 self._opened += 1
@@ -294,6 +298,9 @@ class MemoryTransport:
     def is_dead(self, rank: int) -> bool:
         return rank in self._dead
 
+    def is_suspected(self, rank: int) -> bool:
+        return rank in self._suspected and rank not in self._dead
+
     def check_alive(self, rank: int) -> None:
         dead = self._dead.get(rank)
         if dead is not None:
@@ -321,6 +328,8 @@ class MemoryTransport:
         ):
             # it shut down, or nothing listens at its address (what a reconnect would prove)
             self._dead.setdefault(link.peer, failure)
+        elif not broken_protocol and self._out.get(link.peer) is None:
+            self._suspected.add(link.peer)
         # (otherwise the peer is suspected, as over sockets: what waited on it fails, and the
         # next send connects again)
         self.handler.on_connection_lost(link, failure, peer_dead=not broken_protocol)

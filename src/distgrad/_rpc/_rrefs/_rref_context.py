@@ -261,10 +261,11 @@ class RRefContext:
                 return batches
             batches.setdefault(owner, []).append((rref_id, fork_id))
 
-    def flush_deletes(self) -> list[torch.futures.Future[Any]]:
-        """Tell owners about the dropped users (one message per owner)."""
+    def flush_deletes(self) -> list[tuple[int, torch.futures.Future[Any]]]:
+        """Tell owners about the dropped users (one message per owner); the owners and the
+        futures of their messages."""
         return [
-            self.control(owner, _user_deletes, (pairs,))
+            (owner, self.control(owner, _user_deletes, (pairs,)))
             for owner, pairs in self.take_deletes().items()
         ]
 
@@ -394,8 +395,12 @@ class RRefContext:
                 rref._deleted = True
                 assert rref._fork_id is not None
                 self._deletes.append((rref._owner.id, rref._rref_id, rref._fork_id))
-        futures = self.flush_deletes()
-        for future in futures:
+        transport = self.agent.transport
+        for owner, future in self.flush_deletes():
+            if transport.is_suspected(owner) or transport.is_dead(owner):
+                # Its calls failed already: not waited for (the delete is retried while this
+                # agent runs; a dead owner's table is gone anyway).
+                continue
             left = deadline - time.monotonic()
             if left <= 0 or not _wait_future(future, left):
                 _log.warning("shutdown: an RRef delete was not acknowledged in time")
