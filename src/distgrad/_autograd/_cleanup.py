@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._rpc._core import _profiling
-from .._rpc._core._agent import current_agent
-from .._rpc._core._current import bind_thread
+from .._rpc._core._agent import bind_thread, current_agent
 from .._rpc._core._functions import after_current_task
 from ._context import _ID_BITS, CONTAINER, DistAutogradContext
-from ._engine import BackwardError
+from ._pass import BackwardError
 
 if TYPE_CHECKING:
     from .._rpc._core._agent import RpcAgent
@@ -29,7 +28,11 @@ _CLEANUP_ATTEMPTS = 5  # as the RPC layer's retries (an injected fault may fail 
 @after_current_task
 def _cleanup_message(context_id: int, *notified: int) -> None:
     """Release ``context_id`` here; ``notified``: the workers already told. (Flat integer
-    arguments: the message then takes the plain-pickle path.)"""
+    arguments: the message then takes the plain-pickle path.) A context this worker created
+    is left alone: only its creator's ``with context()`` block releases it, as in torch (a
+    survivor releasing what a dead peer orphaned may reach the creator through others)."""
+    if CONTAINER.created_here(context_id):
+        return
     ctx = CONTAINER.release_context_if_present(context_id)
     if ctx is not None:
         after_release(ctx, frozenset(notified))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from .._errors import DistgradError
 from .._rpc._core import _profiling
 from .._rpc._core._agent import current_agent
+from .._rpc._core._calls import set_future_error
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,
@@ -90,6 +92,18 @@ class EngineRun(NamedTuple):
     last: bool
 
 
+class PassMessages(NamedTuple):
+    """The handlers of a pass's messages to its peers: the engine's (``_engine`` makes every
+    pass with them; this module is below it and never imports it)."""
+
+    #: ``(context_id, pass_id, retain, src)``: join a worker that gets no gradient message
+    start: Callable[..., Any]
+    #: a first gradient message to a worker (answered when that worker's part is done)
+    grad: Callable[..., Any]
+    #: a later one (one-way)
+    late_grad: Callable[..., Any]
+
+
 class _Answer:
     """For the driving thread: the answer to one of its first messages."""
 
@@ -143,8 +157,10 @@ class Pass:
         pass_id: tuple[int, int],
         retain_graph: bool,
         roots: list[torch.Tensor] | None,
+        messages: PassMessages,
     ) -> None:
         self.ctx = ctx
+        self.messages = messages
         self.pass_id = pass_id
         self.retain_graph = retain_graph
         self.roots = roots
@@ -204,14 +220,12 @@ class Pass:
         that is known to take part, gets nothing extra.)"""
         if self.finished:
             return
-        from ._engine import _start_message  # (the engine's handlers: it imports this module)
-
         for record in self.ctx.send_functions.values():
             worker = record.dst
             if worker != self.worker_id and worker not in self.in_touch:
                 self._message(
                     worker,
-                    _start_message,
+                    self.messages.start,
                     (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id),
                 )
 
@@ -245,14 +259,30 @@ class Pass:
         hooked = [leaf for leaf in leaf_list if is_hooked(leaf, accumulators[id(leaf)])]
         if hooked:
             with GRAD_LOCK, hooks_set_aside(hooked, "_backward_hooks"):
-                captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+                captured = list(run_engine(outputs, grad_outputs, inputs, retain))
         else:
-            captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+            captured = list(run_engine(outputs, grad_outputs, inputs, retain))
+        # The run takes the incoming gradients over: once torch's engine is done with them,
+        # nothing here refers to them any more (the message's lists are emptied), so what the
+        # engine built on them -- a sparse gradient's values are a view of the embedding
+        # output's gradient -- may be stored without a copy when no user code kept them.
+        grad_outputs.clear()
+        for item in items:
+            if isinstance(item.grads, list):
+                item.grads.clear()
+        position = len(leaf_list)
+        recv_grads: list[list[torch.Tensor | None]] = []
+        for msg_id in recv_list:
+            width = len(self.recvs[msg_id].record.edges)
+            recv_grads.append(captured[position : position + width])
+            position += width
         hooked_ids = {id(leaf) for leaf in hooked}
         pairs = []
-        for leaf, grad in zip(leaf_list, captured_all, strict=False):
+        for index, leaf in enumerate(leaf_list):
+            grad = captured[index]
             if grad is None:
                 continue
+            captured[index] = None  # (the pair holds the engine's gradient alone: see below)
             if id(leaf) in hooked_ids:
                 pending = self.hooked.get(id(leaf))
                 if pending is None:
@@ -260,19 +290,18 @@ class Pass:
                 pending.add(grad)
             else:
                 pairs.append((leaf, grad))
+        grad = None
         if pairs:
+            # a gradient that only its pair refers to is taken over without a copy
             self.ctx.accumulate_grads(pairs)
+        del pairs
         # Sources whose last message this was are resolved *before* the recv gradients go out,
         # so a recv function they finish sends its gradients and "final" in one message.
         for source in finishing:
             source.resolved = True
-        position = len(leaf_list)
-        for msg_id in recv_list:
+        for msg_id, captured_recv in zip(recv_list, recv_grads, strict=True):
             state = self.recvs[msg_id]
-            width = len(state.record.edges)
-            captured = list(captured_all[position : position + width])
-            position += width
-            self._send_grads(state, state.record.fill(captured))
+            self._send_grads(state, state.record.fill(captured_recv))
 
     def _flush_hooked(self) -> None:
         """Run the hooks of hooked leaves that no unresolved source can reach any more, once,
@@ -318,9 +347,7 @@ class Pass:
         message = GradMessage(
             self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update
         )
-        from ._engine import _grad_message
-
-        self._message(record.src, _grad_message, (message,))
+        self._message(record.src, self.messages.grad, (message,))
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -350,10 +377,8 @@ class Pass:
             # covers, and waiting for it would add a round trip). A one-way message; a failure
             # there fails that worker's part, which reaches the caller of backward through its
             # own first message's answer; a lost peer is reported by the agent.
-            from ._engine import _grad_message, _late_grad_message
-
-            assert func is _grad_message  # START goes only to workers not in touch yet
-            agent.notify(worker, _late_grad_message, args)
+            assert func is self.messages.grad  # START goes only to workers not in touch yet
+            agent.notify(worker, self.messages.late_grad, args)
             return
         agent.call_internal(worker, func, args, self._on_answer)
         self.in_touch.add(worker)
@@ -453,7 +478,7 @@ class Pass:
         self._finish()
         detail = str(error) if str(error) else repr(error)
         failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
-        self.done.set_exception(failure)  # type: ignore[arg-type]  # torch's stub is too narrow
+        set_future_error(self.done, failure)
 
     def _finish(self) -> None:
         self.finished = True

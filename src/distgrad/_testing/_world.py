@@ -27,11 +27,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from torch.distributed import HashStore  # type: ignore[attr-defined]
+
 from .._rpc import _api
 from .._rpc._core._agent import RpcAgent, bind_thread, current_agent
 from .._rpc._core._options import TensorPipeRpcBackendOptions
 from .._rpc._core._worker_info import WorkerInfo
-from .._rpc._group._dynamic import announce_join
+from .._rpc._group._dynamic import join_group
+from .._rpc._group._lease import write_state
 from .._rpc._group._rendezvous import address_record
 from .._transport._base import TransportFactory
 from .._transport._faulty import Fault, FaultPlan, FaultyTransport
@@ -73,8 +76,11 @@ class World:
         network: MemoryNetwork,
         timeout: float,
         faults: FaultPlan | None = None,
+        store: Any = None,
     ) -> None:
         self.agents = agents
+        #: the store of a dynamic world (a ``HashStore``): joins and leaves go through it
+        self.store = store
         self.network = network
         self.timeout = timeout
         #: the fault plan of every worker's transport (``open_world(..., faults=...)``)
@@ -148,10 +154,11 @@ class World:
         return [rank for rank in range(self.size) if rank not in self._killed | self._left]
 
     # -- dynamic worlds (open_world(..., dynamic=True)) -----------------------------------------
-    def join(self, rank: int | None = None, name: str | None = None) -> int:
-        """Start a new agent and join it to the (dynamic) world, as ``init_rpc(name, rank,
-        world_size=None)`` does; return its rank. A rank given that was killed or left
-        restarts that member under its name: a new incarnation."""
+    def join(self, rank: int | None = None, name: str | None = None, store: Any = None) -> int:
+        """Start a new agent and join it to the (dynamic) world through the world's store, as
+        ``init_rpc(name, rank, world_size=None)`` does; return its rank. A rank given that was
+        killed or left restarts that member under its name: a new incarnation. ``store`` is the
+        store this joiner talks to (default: the world's; a test may wrap it)."""
         rank = self.size if rank is None else rank
         if rank < self.size and rank in self.alive():
             raise ValueError(f"rank {rank} is a running member of the world")
@@ -172,14 +179,9 @@ class World:
             self.agents.append(agent)
         self._killed.discard(rank)
         self._left.discard(rank)
-        members = [self.agents[r] for r in self.alive() if r != rank]
-        workers = [m.worker_info for m in members]
-        addresses = {m.worker_info.id: m.address for m in members if m.address is not None}
-        addresses[rank] = address
-        record = address_record(agent.worker_info, address, False)
-        self.run_on(
-            rank, lambda: announce_join(agent, workers, addresses, record, options.rpc_timeout)
-        )
+        store = self.store if store is None else store
+        agent.keepalive.append(store)
+        self.run_on(rank, lambda: join_group(agent, store, address, False, options.rpc_timeout))
         return rank
 
     def leave(self, rank: int, timeout: float | None = None) -> None:
@@ -283,11 +285,20 @@ def open_world(
         workers = [WorkerInfo(f"worker{rank}", rank) for rank in range(world_size)]
         for agent in agents:
             agent.set_peers(workers, addresses)
+        store = None
+        if dynamic:
+            store = HashStore()
+            write_state(
+                store,
+                {w.id: address_record(w, addresses[w.id], False) for w in workers},
+            )
+            for agent in agents:
+                agent.keepalive.append(store)
     except BaseException:
         for agent in agents:
             agent.stop(graceful=False)
         raise
-    world = World(agents, network, timeout, plan)
+    world = World(agents, network, timeout, plan, store)
     try:
         yield world
     except BaseException:

@@ -9,7 +9,9 @@
   to the dialing threads (``_dialer``);
 * ``_serving``: a request is decoded, waits for the confirmations of the RRefs it carries,
   runs and is answered; notifications run their handlers;
-* ``_current``: which agent a thread belongs to.
+* ``_current``: which agent a thread belongs to (the storage; the typed accessors
+  :func:`current_agent`, :func:`require_agent`, :func:`bind_thread` and
+  :func:`set_current_agent` are here).
 
 This module starts and stops them, knows the workers, and routes what the transport
 delivers (:meth:`RpcAgent.on_frame`, :meth:`RpcAgent.on_connection_lost`).
@@ -63,13 +65,12 @@ from ..._transport._base import (
 )
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
-from .._group._events import MembershipEvent, MembershipKind
-from .._rrefs._rref_context import RRefContext
-from . import _layer
+from . import _current, _layer
 from ._call_table import CallTable
 from ._codec import Codec
-from ._current import bind_thread, current_agent, set_current_agent, thread_binding
+from ._current import thread_binding
 from ._dialer import Dialer
+from ._events import MembershipEvent, MembershipKind
 from ._oneway import OneWay
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
@@ -80,7 +81,45 @@ from ._worker_info import WorkerInfo
 
 _log = logging.getLogger("distgrad.rpc")
 
-__all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
+__all__ = [
+    "RpcAgent",
+    "bind_thread",
+    "current_agent",
+    "require_agent",
+    "set_current_agent",
+    "thread_binding",
+]
+
+
+def current_agent() -> RpcAgent | None:
+    """The agent of the calling thread: the one it is bound to (in-memory worlds), else the
+    process's (``init_rpc``)."""
+    agent: RpcAgent | None = thread_binding.agent
+    if agent is None:
+        agent = _current.process
+    return agent
+
+
+def require_agent() -> RpcAgent:
+    """The calling thread's agent, or torch's error when RPC is not initialized."""
+    agent = current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+        )
+    return agent
+
+
+def bind_thread(agent: RpcAgent | None) -> RpcAgent | None:
+    """Make ``agent`` the calling thread's agent (``None``: unbind); returns the previous one."""
+    previous: RpcAgent | None = thread_binding.agent
+    thread_binding.agent = agent
+    return previous
+
+
+def set_current_agent(agent: RpcAgent | None) -> None:
+    """Make ``agent`` the process's agent (``init_rpc``; ``None`` at shutdown)."""
+    _current.process = agent
 
 
 class RpcAgent(Outgoing, OneWay, Serving):
@@ -110,6 +149,8 @@ class RpcAgent(Outgoing, OneWay, Serving):
         #: the random id of this start of the agent (presented in every handshake)
         self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self._incarnation_of: dict[int, int] = {rank: self.incarnation}
+        #: incarnations removed from the group (rank, incarnation): never members again
+        self._gone: set[tuple[int, int]] = set()
         #: members that left the group (by name), for errors that name them as departed
         self.departed: dict[str, WorkerInfo] = {}
         #: called (on a callback thread) with every :class:`MembershipEvent`
@@ -118,7 +159,8 @@ class RpcAgent(Outgoing, OneWay, Serving):
         self.rpc_timeout = options.rpc_timeout
         self.isolated = isolated
         bind = self._bind_thread if isolated else None
-        #: per-worker state of the layers above, for isolated agents (keyed by the layer's key)
+        #: per-worker state of the layers above (keyed by the layer's key): RRefs keep their
+        #: tables here; autograd its contexts, for isolated agents
         self.layer_state: dict[object, object] = {}
         self._io = IoThread(on_start=bind)
         self._transport_factory = transport
@@ -131,6 +173,9 @@ class RpcAgent(Outgoing, OneWay, Serving):
         self._active = 0
         self._active_lock = threading.Lock()
         self._serving_async = 0  # @async_execution requests whose future is pending
+        # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
+        self._gil_profiling = False
+        self._gil_wait = [0.0, 0]  # seconds in all, requests
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
@@ -138,9 +183,7 @@ class RpcAgent(Outgoing, OneWay, Serving):
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
-        self.rrefs = RRefContext(self)
         self._codec = Codec(options, self._by_rank, self._label)
-        self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
 
     def _bind_thread(self) -> None:
         bind_thread(self)
@@ -194,9 +237,19 @@ class RpcAgent(Outgoing, OneWay, Serving):
         return self._incarnation_of.get(rank, 0)
 
     def add_member(self, info: WorkerInfo, address: PeerAddress) -> None:
-        """A member joined (or rejoined under its name: a new incarnation)."""
+        """A member joined (or rejoined under its name: a new incarnation). Told twice (a
+        join asked again after an answer was lost), nothing changes; an incarnation that was
+        removed from the group (its join undone by the next holder of the membership token)
+        is refused with ``RuntimeError``."""
         old = self._by_rank.get(info.id)
         known = self._incarnation_of.get(info.id, 0)
+        if (info.id, address.incarnation) in self._gone:
+            raise RuntimeError(
+                f"worker {info.name} (rank {info.id}) incarnation {address.incarnation:016x} "
+                "was removed from the RPC group: it cannot join as a member any more"
+            )
+        if old == info and known == address.incarnation:
+            return
         if old is not None and old.name != info.name:
             self._by_name.pop(old.name, None)
         self._by_name[info.name] = info
@@ -214,7 +267,11 @@ class RpcAgent(Outgoing, OneWay, Serving):
         calls to it fail at once naming it as departed; contexts it took part in are failed
         and cleaned."""
         info = self._by_rank.get(rank)
-        if info is None or info == self.worker_info:
+        if info == self.worker_info:
+            return
+        if incarnation:
+            self._gone.add((rank, incarnation))
+        if info is None:
             return
         if incarnation and self._incarnation_of.get(rank, incarnation) != incarnation:
             return  # a replaced incarnation says goodbye: the member itself stays
@@ -278,13 +335,30 @@ class RpcAgent(Outgoing, OneWay, Serving):
         requests whose future has not completed)."""
         pool = self._workers
         busy = pool.busy()
-        return {
+        metrics = {
             "agent.server_active_async_calls": str(self._serving_async),
             "agent.client_active_calls": str(self._active),
             "agent.server_active_calls": str(busy),
             "agent.num_idle_threads": str(max(0, pool.max_threads - busy)),
             "agent.thread_pool_size": str(pool.max_threads),
         }
+        if self._gil_profiling:
+            total, count = self._gil_wait
+            average_us = total / count * 1e6 if count else 0.0
+            metrics["agent.gil_average_wait_time_us"] = f"{average_us:f}"
+        return metrics
+
+    def enable_gil_profiling(self, flag: bool) -> None:
+        """torch's ``rpc.enable_gil_profiling``: with ``flag``, time how long each request
+        served here waits between its arrival and the moment a worker thread runs Python for
+        it -- the thread's wake-up and its taking of the GIL, plus any wait for a free thread
+        -- and report the average since enabling as ``agent.gil_average_wait_time_us`` in
+        :meth:`get_metrics` / :meth:`get_debug_info` (torch times its own GIL acquisitions;
+        in a pure-Python agent this hand-off is where the GIL is waited for). Costs nothing
+        while off; turning it off keeps the figures, turning it on again resets them."""
+        if flag and not self._gil_profiling:
+            self._gil_wait = [0.0, 0]
+        self._gil_profiling = bool(flag)
 
     def get_debug_info(self) -> dict[str, str]:
         """torch's ``RpcAgent.get_debug_info()``: the metrics of :meth:`get_metrics`."""
@@ -382,5 +456,5 @@ class RpcAgent(Outgoing, OneWay, Serving):
         self._callbacks.stop()
         self._io.stop()
         self.keepalive.clear()
-        self.rref_leaks = self.rrefs.destroy()
+        _layer.agent_stopped(self)
         self.state = AgentState.STOPPED

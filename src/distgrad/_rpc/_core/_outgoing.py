@@ -30,7 +30,7 @@ from ..._transport._base import Link, Transport
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _delivery, _extension, _profiling
+from . import _delivery, _layer, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -100,7 +100,7 @@ class Outgoing:
             raise self._stopped_error("REQUEST")
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
-        extension = _extension.get_extension()
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id)
         made: list[CallRecord | None] = []  # the extension's ext, once made
         encoding = _delivery.encoding  # (what is pickled into it may ask to hear of failure)
@@ -333,7 +333,7 @@ class Outgoing:
         if frame.kind == Kind.ERROR:
             message, tb, pickled_type = loads(frame.meta)
             raise exception_from_payload(message, tb, pickled_type)
-        extension = _extension.get_extension()
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
         if extension is None or call.internal:
             return decode(frame.meta, frame.buffers, frame.flags)[1]
         peer = call.conn.peer

@@ -106,8 +106,9 @@ def agree_secret(store: Any, rank: int, options: TensorPipeRpcBackendOptions) ->
         if explicit is not None:
             store.set(_SECRET_SOURCE, _EXPLICIT)
             return ClusterSecret(explicit, True)
-        token = secrets.token_hex(32)
-        store.set(_SECRET_KEY, token)
+        # (a rank 0 relaunched into a dynamic group whose store outlived it keeps the secret
+        # the members already use)
+        token = bytes(store.compare_set(_SECRET_KEY, "", secrets.token_hex(32))).decode()
         store.set(_SECRET_SOURCE, _GENERATED)
         return ClusterSecret(token.encode(), False)
     if explicit is not None:

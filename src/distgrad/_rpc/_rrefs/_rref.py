@@ -3,8 +3,9 @@
 An :class:`RRef` is either the *owner's* handle (it holds an :class:`OwnerValue`) or a *user's*
 (ids only). Users become owners' handles and vice versa only through RPC pickling: sending an
 RRef in a call's arguments or result forks it (``_rref_fork``: ``_reduce_rref`` on the
-sender, ``_rebuild_rref`` on the receiver), following the reference's protocol
-(``_rref_context`` explains the tables).
+sender, ``_rebuild_rref`` on the receiver; ``_layer.register`` installs it), following the
+reference's protocol (``_rref_context`` explains the tables). :func:`create_remote` is
+``rpc.remote``'s caller side (here: it makes RRefs, and RRef's ``remote()`` proxy calls it).
 
 What runs where: ``remote()`` sends ``_remote_exec`` to the owner, which creates the value and
 registers the caller's fork before it replies; ``to_here()`` sends ``_rref_fetch``
@@ -17,22 +18,24 @@ deletes) are internal calls, retried, never recorded.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from ..._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
-from ..._wire._pickler import register_reducer
-from .._core._agent import current_agent
+from .._core._agent import RpcAgent, current_agent, require_agent
 from .._core._calls import fresh_copy
+from .._core._messages import is_script
 from .._core._worker_info import WorkerInfo
+from ._remote import create_here, create_there
 from ._rref_context import (
     RREF_TIMED_OUT,
     GloballyUniqueId,
     OwnerValue,
     RRefContext,
+    context_of,
 )
-from ._rref_fork import _reduce_rref
 from ._rref_owner import (
     _agent_or_raise,
     _owner_backward,
@@ -42,13 +45,28 @@ from ._rref_owner import (
     _script_rref_fetch,
     _wait_blocking,
 )
+from ._rref_proxy import RRefProxy
 
-if TYPE_CHECKING:
-    from ._rref_proxy import RRefProxy
-
-__all__ = ["RRef"]
+__all__ = ["RRef", "create_remote"]
 
 T = TypeVar("T")
+
+
+#: ``(owner id, RRef id's created_on, its local_id, fork id's created_on, its local_id, parent
+#: id, type)``: torch's fork tuple (``RRef._serialize``)
+SerializedRRef = tuple[int, int, int, int, int, int, str]
+
+
+class _ByHand:
+    """``RRef._serialize`` / ``_deserialize`` are the fork protocol's (``_rref_fork``, a module
+    above this one, which builds RRefs); ``_layer.register`` installs them here with the RRef's
+    reducer."""
+
+    serialize: Callable[[RRef[Any]], SerializedRRef] | None = None
+    deserialize: Callable[[SerializedRRef], RRef[Any]] | None = None
+
+
+BY_HAND = _ByHand()
 
 
 class RRef(Generic[T]):
@@ -117,7 +135,8 @@ class RRef(Generic[T]):
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = _agent_or_raise()
-        self._init(agent.rrefs, agent.rrefs.new_id(), None, agent.worker_info)
+        ctx = context_of(agent)
+        self._init(ctx, ctx.new_id(), None, agent.worker_info)
         self._value = OwnerValue.of(value)
         self._confirmed = True
 
@@ -205,7 +224,9 @@ class RRef(Generic[T]):
                 f"value lived in its incarnation {known:016x}, which is gone",
                 f"worker {owner.name} (rank {owner.id})",
             )
-        if self._timed_out:
+        value = self._value
+        if self._timed_out or (value is not None and value.timed_out):
+            # (an owner's: its remote() to this worker timed out or failed to send)
             raise RuntimeError(RREF_TIMED_OUT)
         if self._error is not None:  # a copy: the stored one must not collect our frames
             raise fresh_copy(self._error)
@@ -258,6 +279,41 @@ class RRef(Generic[T]):
         raise RuntimeError(
             "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
         )
+
+    def _serialize(self) -> SerializedRRef:
+        """Fork this RRef for one receiver, by hand (torch's ``PyRRef._serialize``, what RPC
+        pickling does): the 7-tuple ``(owner id, RRef id's created_on, its local_id, fork
+        id's created_on, its local_id, this worker's id, type)``, where the type is
+        ``"PyObject"`` or ``"Tensor"`` (an owner's tensor, or an RRef made by a builtin or
+        TorchScript function).
+
+        As in torch, the fork is registered now -- on the owner, with the owner; on a user, as
+        a child this RRef waits for -- so the tuple must reach ``RRef._deserialize`` on
+        exactly one worker of the group (the RRef's value is held for it until then).
+
+        Raises:
+            RuntimeError: the creation by ``rpc.remote()`` timed out or failed to send ("RRef
+                creation via rpc.remote() timed out, ..."), or this user RRef was deleted.
+        """
+        serialize = BY_HAND.serialize
+        if serialize is None:
+            raise RuntimeError("RRefs are not plugged into RPC: import distgrad.rpc")
+        return serialize(self)
+
+    @staticmethod
+    def _deserialize(data: SerializedRRef) -> RRef[Any]:
+        """The RRef that :meth:`_serialize` forked, on the worker that receives the tuple
+        (torch's ``PyRRef._deserialize``): the owner gets its owner RRef back; a user gets a
+        user RRef, which the owner confirms (its parent is told once it is).
+
+        Raises:
+            ValueError: ``data`` is not such a 7-tuple.
+            RuntimeError: RPC is not initialized.
+        """
+        deserialize = BY_HAND.deserialize
+        if deserialize is None:
+            raise RuntimeError("RRefs are not plugged into RPC: import distgrad.rpc")
+        return deserialize(data)
 
     # -- values ----------------------------------------------------------------------------------
     def local_value(self) -> T:
@@ -365,6 +421,11 @@ class RRef(Generic[T]):
         return future.wait() if blocking else future
 
     # -- proxies ---------------------------------------------------------------------------------
+    def _remote_on_owner(self, func: Any, args: tuple[Any, ...], timeout: float) -> RRef[Any]:
+        """``rpc.remote`` of the Python function ``func`` on the owner (the ``remote()``
+        proxy's call)."""
+        return create_remote(require_agent(), self._owner, func, args, {}, timeout, force=True)
+
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
         """A proxy that calls the value's methods on the owner with ``rpc_sync``.
 
@@ -385,8 +446,6 @@ class RRef(Generic[T]):
             rref.rpc_sync().size()  # torch.Size([2, 3])
             rref.rpc_sync().view(3, 2)  # tensor of shape (3, 2), a copy sent back
         """
-        from ._rref_proxy import RRefProxy
-
         return RRefProxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> RRefProxy:
@@ -407,8 +466,6 @@ class RRef(Generic[T]):
             rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
             rref.rpc_async().size().wait()  # torch.Size([2, 3])
         """
-        from ._rref_proxy import RRefProxy
-
         return RRefProxy(self, "async", timeout)
 
     def remote(self, timeout: float = -1.0) -> RRefProxy:
@@ -429,8 +486,6 @@ class RRef(Generic[T]):
             rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
             rref.remote().view(3, 2).to_here()  # the (3, 2) view, made on worker1
         """
-        from ._rref_proxy import RRefProxy
-
         return RRefProxy(self, "remote", timeout)
 
     # -- autograd --------------------------------------------------------------------------------
@@ -475,4 +530,28 @@ class RRef(Generic[T]):
         )
 
 
-register_reducer(RRef, _reduce_rref)
+def create_remote(
+    agent: RpcAgent,
+    dst: WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    force: bool,
+) -> RRef[Any]:
+    """``rpc.remote``: an RRef at once; the value is created on ``dst`` (``_remote`` sends the
+    creation call and records its outcome on the RRef)."""
+    ctx = context_of(agent)
+    rref_id = ctx.new_id()
+    if dst.id == ctx.worker_id:  # the owner is here: its handle now, the value from a call
+        value = OwnerValue()
+        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
+        call = (func, args, kwargs)
+        rref._creation = create_here(agent, ctx, dst, rref_id, value, call, timeout, force)
+    else:
+        fork_id = ctx.new_id()
+        rref = RRef._new_user(ctx, rref_id, fork_id, dst)
+        rref._script = is_script(func)
+        call = (func, args, kwargs)
+        rref._creation = create_there(agent, ctx, dst, rref, call, timeout, force)
+    return rref

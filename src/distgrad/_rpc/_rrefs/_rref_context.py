@@ -35,20 +35,25 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 
+from .._core._agent import RpcAgent, current_agent
 from .._core._functions import on_io_thread
 from .._core._messages import message_type
 from ._outbox import outbox_of
-from ._rref_values import RREF_TIMED_OUT, GloballyUniqueId, OwnerValue
+from ._rref_values import RREF_TIMED_OUT, GloballyUniqueId, OwnerValue, UserHandle
 
-if TYPE_CHECKING:
-    from .._core._agent import RpcAgent
-    from ._rref import RRef
-
-__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext", "RemoteCreation"]
+__all__ = [
+    "RREF_TIMED_OUT",
+    "GloballyUniqueId",
+    "OwnerValue",
+    "RRefContext",
+    "RemoteCreation",
+    "context_of",
+    "leaks_of",
+]
 
 _log = logging.getLogger("distgrad.rpc")
 
@@ -56,7 +61,7 @@ _TOMBSTONES = 65536
 
 
 class _Collecting(threading.local):
-    users: list[RRef[Any]] | None = None
+    users: list[UserHandle] | None = None
     #: the value a ``remote()`` request being served on this thread creates (see
     #: :class:`RemoteCreation`); reset by :meth:`RRefContext.start_collecting`
     creating: RemoteCreation | None = None
@@ -93,8 +98,8 @@ def _note_creation(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> Remo
 
 
 class RRefContext:
-    """One worker's RRef tables (the reference's ``RRefContext``). Created with the agent,
-    destroyed by shutdown; every method is thread-safe."""
+    """One worker's RRef tables (the reference's ``RRefContext``). Made for an agent on first
+    use (:func:`context_of`), destroyed when it stops; every method is thread-safe."""
 
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
@@ -104,13 +109,13 @@ class RRefContext:
         self._forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
         #: forks deleted before they were registered (the most recent ``_TOMBSTONES``)
         self._tombstones: OrderedDict[GloballyUniqueId, None] = OrderedDict()
-        self._pending_users: dict[GloballyUniqueId, RRef[Any]] = {}
-        self._pending_children: dict[GloballyUniqueId, RRef[Any]] = {}
+        self._pending_users: dict[GloballyUniqueId, UserHandle] = {}
+        self._pending_children: dict[GloballyUniqueId, UserHandle] = {}
         #: per pending child: its receiver's rank (-1: unknown) and incarnation then
         self._child_receivers: dict[GloballyUniqueId, tuple[int, int]] = {}
         #: pending children whose request failed but may have arrived (not waited for)
         self._failed_children: set[GloballyUniqueId] = set()
-        self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, RRef[Any]] = (
+        self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, UserHandle] = (
             weakref.WeakValueDictionary()
         )
         # (owner id, rref id, fork id) of UserRRefs whose last handle was dropped. Appended from
@@ -167,7 +172,7 @@ class RRefContext:
                     self._owners.pop(rref_id, None)
 
     # -- user side -------------------------------------------------------------------------------
-    def add_pending_user(self, fork_id: GloballyUniqueId, rref: RRef[Any]) -> None:
+    def add_pending_user(self, fork_id: GloballyUniqueId, rref: UserHandle) -> None:
         with self._lock:
             self._pending_users[fork_id] = rref
 
@@ -183,14 +188,14 @@ class RRefContext:
             if error is None or rref._timed_out or rref._maybe_created:
                 self.add_confirmed_user(rref)
 
-    def add_confirmed_user(self, rref: RRef[Any]) -> None:
+    def add_confirmed_user(self, rref: UserHandle) -> None:
         fork_id = rref._fork_id
         assert fork_id is not None
         with self._lock:
             self._confirmed_users[fork_id] = rref
 
     def add_pending_child(
-        self, fork_id: GloballyUniqueId, parent: RRef[Any], receiver: int = -1
+        self, fork_id: GloballyUniqueId, parent: UserHandle, receiver: int = -1
     ) -> None:
         incarnation = self.agent.incarnation_of(receiver) if receiver >= 0 else 0
         with self._lock:
@@ -310,7 +315,7 @@ class RRefContext:
         is lost, or cannot be sent while the parent is suspected, reaches it when it is back."""
         outbox_of(self.agent).send(parent, _child_accept_notice, (fork_id,))
 
-    def request_fork(self, rref: RRef[Any], parent: int) -> None:
+    def request_fork(self, rref: UserHandle, parent: int) -> None:
         """A UserRRef received from a user (not the owner): ask the owner to register its fork;
         once acknowledged, the user is confirmed and the parent may let go of it."""
         fork_id = rref._fork_id
@@ -328,7 +333,7 @@ class RRefContext:
     # Plain calls, not a context manager: the agent brackets every request's unpickling with
     # them, on the per-message path.
     @staticmethod
-    def start_collecting() -> list[RRef[Any]] | None:
+    def start_collecting() -> list[UserHandle] | None:
         """From now on, collect the unconfirmed UserRRefs unpickled on this thread; returns
         what :meth:`stop_collecting` needs to restore."""
         previous = _collecting.users
@@ -337,14 +342,14 @@ class RRefContext:
         return previous
 
     @staticmethod
-    def stop_collecting(previous: list[RRef[Any]] | None) -> list[RRef[Any]]:
+    def stop_collecting(previous: list[UserHandle] | None) -> list[UserHandle]:
         """The UserRRefs collected since :meth:`start_collecting`."""
         users = _collecting.users
         _collecting.users = previous
         return users if users is not None else []
 
     @staticmethod
-    def collect(rref: RRef[Any]) -> None:
+    def collect(rref: UserHandle) -> None:
         users = _collecting.users
         if users is not None:
             users.append(rref)
@@ -373,11 +378,12 @@ class RRefContext:
             time.sleep(0.005)
         return True
 
-    def delete_all_users(self, timeout: float) -> None:
+    def delete_all_users(self, timeout: float, *, wait_for_remote_users: bool = True) -> None:
         """Graceful shutdown: let pending users and children settle, tell owners that every
-        user here is gone, and wait until the users elsewhere of what this worker owns are gone
-        too (the reference's ``_delete_all_user_and_unforked_owner_rrefs``). Time-outs are only
-        logged, as in the reference."""
+        user here is gone, and (with ``wait_for_remote_users``) wait until the users elsewhere
+        of what this worker owns are gone too (the reference's
+        ``_delete_all_user_and_unforked_owner_rrefs``). Time-outs are only logged, as in the
+        reference."""
         deadline = time.monotonic() + timeout
         if not self._wait_for(
             lambda: not self._pending_users and not self._awaited_children(), deadline
@@ -405,7 +411,7 @@ class RRefContext:
             if left <= 0 or not _wait_future(future, left):
                 _log.warning("shutdown: an RRef delete was not acknowledged in time")
                 break
-        if not self._wait_for(lambda: not self._forks, deadline):
+        if wait_for_remote_users and not self._wait_for(lambda: not self._forks, deadline):
             _log.warning("shutdown: %d owned RRefs still have users", len(self._forks))
 
     def destroy(self) -> list[tuple[GloballyUniqueId, GloballyUniqueId]]:
@@ -436,11 +442,36 @@ class RRefContext:
             }
 
 
-def _context() -> RRefContext | None:
-    from .._core._agent import current_agent
+_create_lock = threading.Lock()
+_LEAKS = "rref_leaks"
 
+
+def context_of(agent: RpcAgent) -> RRefContext:
+    """The RRef tables of ``agent`` (kept in its ``layer_state``; made on first use)."""
+    ctx = agent.layer_state.get(RRefContext)
+    if ctx is None:
+        with _create_lock:
+            ctx = agent.layer_state.get(RRefContext)
+            if ctx is None:
+                ctx = agent.layer_state[RRefContext] = RRefContext(agent)
+    return cast(RRefContext, ctx)
+
+
+def stop_context(agent: RpcAgent) -> None:
+    """The agent stopped: destroy its tables, keeping the forks still registered (leaks)."""
+    agent.layer_state[_LEAKS] = context_of(agent).destroy()
+
+
+def leaks_of(agent: RpcAgent) -> list[tuple[GloballyUniqueId, GloballyUniqueId]]:
+    """The forks still registered when ``agent`` stopped (empty before it stopped)."""
+    return cast(
+        "list[tuple[GloballyUniqueId, GloballyUniqueId]]", agent.layer_state.get(_LEAKS, [])
+    )
+
+
+def _context() -> RRefContext | None:
     agent = current_agent()
-    return agent.rrefs if agent is not None else None
+    return context_of(agent) if agent is not None else None
 
 
 # -- handlers of the protocol messages (run on the receiving worker) ---------------------------

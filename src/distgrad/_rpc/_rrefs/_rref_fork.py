@@ -1,20 +1,18 @@
 """Sending an RRef through RPC forks it: the sender's side (``_reduce_rref``, the reference's
 ``prepareChildFork``) and the receiver's (``_rebuild_rref``); ``_rref_context`` explains the
-tables they update."""
+tables they update. ``_layer.register`` installs ``_reduce_rref`` as the RRef's reducer in RPC
+pickling (this module is above ``_rref``: it builds RRefs)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from .._core import _delivery
-from ._rref_context import (
-    GloballyUniqueId,
-)
+from ._rref import RRef, SerializedRRef
+from ._rref_context import GloballyUniqueId, context_of
 from ._rref_owner import _agent_or_raise
-
-if TYPE_CHECKING:
-    from ._rref import RRef
-
 
 # -- pickling through RPC (forks) --------------------------------------------------------------
 ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int, bool]
@@ -47,10 +45,8 @@ def _rebuild_rref(
     script: bool = False,
 ) -> RRef[Any]:
     """Receiver side of a fork."""
-    from ._rref import RRef  # (it imports this module)
-
     agent = _agent_or_raise()
-    ctx = agent.rrefs
+    ctx = context_of(agent)
     if owner == ctx.worker_id:  # back at the owner: the one OwnerRRef
         rref: RRef[Any] = RRef._new_owner(ctx, rref_id, ctx.get_or_create_owner(rref_id))
         if parent == owner:  # sent to itself: the fork registered when pickling is not a user
@@ -67,3 +63,43 @@ def _rebuild_rref(
         ctx.request_fork(rref, parent)
         ctx.collect(rref)
     return rref
+
+
+# -- by hand: torch's PyRRef._serialize / _deserialize -------------------------------------------
+
+
+def serialize_rref(rref: RRef[Any]) -> SerializedRRef:
+    """``RRef._serialize``: fork ``rref`` as :func:`_reduce_rref` does, as torch's tuple."""
+    _, (owner, rref_id, fork_id, parent, script) = _reduce_rref(rref)
+    value = rref._value
+    tensor = value is not None and value.done() and isinstance(value._value, torch.Tensor)
+    kind = "Tensor" if script or tensor else "PyObject"
+    return (
+        owner,
+        rref_id.created_on,
+        rref_id.local_id,
+        fork_id.created_on,
+        fork_id.local_id,
+        parent,
+        kind,
+    )
+
+
+def deserialize_rref(data: SerializedRRef) -> RRef[Any]:
+    """``RRef._deserialize``: the receiver's side of :func:`serialize_rref`."""
+    try:
+        owner, rref_on, rref_local, fork_on, fork_local, parent, kind = data
+        ids = [int(x) for x in (owner, rref_on, rref_local, fork_on, fork_local, parent)]
+    except (TypeError, ValueError):
+        raise ValueError(
+            "RRef._deserialize expects the 7-tuple that RRef._serialize returns (owner id, "
+            "RRef id created_on and local_id, fork id created_on and local_id, parent id, "
+            f"type), got {data!r}"
+        ) from None
+    return _rebuild_rref(
+        ids[0],
+        GloballyUniqueId(ids[1], ids[2]),
+        GloballyUniqueId(ids[3], ids[4]),
+        ids[5],
+        kind != "PyObject",
+    )
