@@ -24,8 +24,11 @@ pytestmark = pytest.mark.timeout(90)
 
 FAST = {"heartbeat_interval": 0.2, "peer_timeout": 1.0}
 BOUND = 1.2
-SLACK = 0.6  # process start-up and a loaded 2-core host
-FREEZE = 2.5
+SLACK = 1.5  # a loaded 2-core host delays the heartbeat ticks that judge silence
+FREEZE = 5.0  # (longer than any detection: a call answered after SIGCONT would prove nothing)
+#: what a context may add: its cleanup used to re-dial the stopped worker (a handshake wait,
+#: here peer_timeout = 1 s) before the error reached the program
+CONTEXT_EXTRA = 0.6
 
 
 def pid() -> int:
@@ -36,12 +39,23 @@ def mul2(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until the kernel shows ``pid`` stopped (SIGSTOP takes effect asynchronously)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+
+
 def _frozen_call(target: int, in_context: bool) -> float:
     """Stop worker1, call it (in a context or not), resume it; seconds from the stop until the
     error reached this code."""
     x = torch.ones(2, requires_grad=True)
     os.kill(target, signal.SIGSTOP)
     stopped = time.monotonic()
+    _wait_stopped(target)
     waking = threading.Timer(FREEZE, os.kill, (target, signal.SIGCONT))
     waking.start()
     took = -1.0
@@ -77,12 +91,14 @@ def program(rank: int, world_size: int) -> object:
 
 
 def test_a_call_to_a_stopped_worker_fails_within_the_bound_with_and_without_a_context() -> None:
-    """SIGSTOP for 2.5 s, peer_timeout 1 s: the error reaches the program within the bound
-    (1.2 s, plus slack) both as a plain call and inside a context; the worker is called again
-    once resumed."""
+    """SIGSTOP for 5 s, peer_timeout 1 s: the error reaches the program within the bound
+    (1.2 s, plus slack for load) both as a plain call and inside a context, and the context
+    adds no handshake wait (before: 2.16 s in a context, 1.09 s plain); the worker is called
+    again once resumed."""
     results = run_workers(program, 3, timeout=80, options=FAST)
     outcome = results[0]
     assert isinstance(outcome, dict), outcome
     print(f"error delays after SIGSTOP (s): {outcome}")  # (shown with -s)
     for case, took in outcome.items():
         assert 0.8 < took < BOUND + SLACK, (case, outcome)
+    assert outcome["in_context"] < outcome["plain"] + CONTEXT_EXTRA, outcome
