@@ -5,6 +5,8 @@ cycles: function-local and type-only imports count; tests/unit/test_import_graph
 
     _errors, _config, _omp      the exception tree, constants and environment variables
     _wire                       framing, the tensor-aware pickler, limits  (bytes <-> messages)
+    _devices                    device maps, staging and streams of device tensors (beside
+                                _wire: uses nothing of distgrad's but torch)
     _transport                  connections, handshake, TLS, heartbeats, the I/O thread,
                                 in-memory and fault-injecting transports  (messages <-> peers)
     _rpc._core                  the agent: calls, serving, codec, call table, pools,

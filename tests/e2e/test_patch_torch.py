@@ -6,6 +6,7 @@ process is never patched."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -291,3 +292,20 @@ def test_children_inherit_the_switch(tmp_path: Path, launch: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith(expected[0][:6]))
     assert lines == expected, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_install_warns_and_the_interpreter_starts(tmp_path: Path) -> None:
+    """With the variable set and distgrad not importable, the start-up hook's line warns once
+    and the interpreter starts and runs torch's own RPC."""
+    broken = tmp_path / "broken"
+    (broken / "distgrad").mkdir(parents=True)
+    (broken / "distgrad" / "__init__.py").write_text("raise ImportError('broken install')\n")
+    env = patch_env(patch=True)
+    boot, rest = env["PYTHONPATH"].split(os.pathsep, 1)
+    env["PYTHONPATH"] = os.pathsep.join([boot, str(broken), rest])
+    result = run_python("import torch.distributed.rpc as rpc; print(rpc.__name__)", env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["torch.distributed.rpc"]
+    assert result.stderr.count("RuntimeWarning: distgrad: DISTGRAD_PATCH_TORCH is set") == 1
+    assert "ImportError('broken install')" in result.stderr

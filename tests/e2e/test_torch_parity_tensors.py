@@ -21,13 +21,15 @@ Record = dict[str, Any]
 
 
 def layout(*tensors: torch.Tensor) -> Record:
-    """How tensors arrived: strides, offsets, storage sizes, values, which share a storage."""
+    """How tensors arrived: strides, offsets, storage sizes, values, which share a storage,
+    lazy conjugate / negative bits."""
     pointers = [t.untyped_storage().data_ptr() for t in tensors]
     return {
+        "bits": [(t.is_conj(), t.is_neg()) for t in tensors],
         "strides": [tuple(t.stride()) for t in tensors],
         "offsets": [t.storage_offset() for t in tensors],
         "storage_bytes": [t.untyped_storage().nbytes() for t in tensors],
-        "values": [t.tolist() for t in tensors],
+        "values": [t.resolve_conj().resolve_neg().tolist() for t in tensors],
         "shared_with": [pointers.index(p) for p in pointers],
     }
 
@@ -77,6 +79,7 @@ def program(rank: int, world_size: int, *, impl: str, port: int) -> Record:
     if rank == 0:
         t = torch.arange(24.0).reshape(4, 6)
         big = torch.arange(4096.0).reshape(64, 64)  # 16 KiB
+        complex_t = torch.complex(torch.arange(12.0), torch.arange(12.0) + 1).reshape(3, 4)
         cases = {
             "narrow": (t.narrow(1, 2, 2),),
             "views_and_base": (t.narrow(1, 2, 2), t.narrow(1, 0, 2), t),
@@ -88,6 +91,9 @@ def program(rank: int, world_size: int, *, impl: str, port: int) -> Record:
             "big_most_rows": (big[:40],),
             "big_every_other_row": (big[::2],),
             "big_transposed_window": (big[:20].t(),),
+            "conjugate": (complex_t.conj(), complex_t.conj()[:, 1:3]),
+            "negative": (complex_t.conj().imag,),
+            "big_conjugate_slice": (torch.complex(big, big).conj()[:2],),
         }
         for name, tensors in cases.items():
             record[f"to_peer {name}"] = rpc.rpc_sync("worker1", layout, tensors)
@@ -141,6 +147,9 @@ VIEW_CASES = [
     "big_most_rows",
     "big_every_other_row",
     "big_transposed_window",
+    "conjugate",
+    "negative",
+    "big_conjugate_slice",
 ]
 
 

@@ -31,6 +31,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("distgrad._errors", "distgrad._config", "distgrad._omp")),
     ("wire", ("distgrad._wire",)),
+    ("devices", ("distgrad._devices",)),
     ("transport", ("distgrad._transport",)),
     ("rpc: agent core", ("distgrad._rpc._core",)),
     ("rpc: RRefs", ("distgrad._rpc._rrefs",)),

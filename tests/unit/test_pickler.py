@@ -452,7 +452,24 @@ def test_a_big_storage_is_cloned_as_torch_clones_it() -> None:
     assert torch.equal(y, half)
 
 
-def _view_frame(size: Any, stride: Any, offset: Any, nbytes: int = 96) -> tuple[bytes, list[Any]]:
+def test_lazy_conjugate_and_negative_views_keep_their_bits() -> None:
+    """A lazy conjugate view (and the negative view ``x.conj().imag``) of a small storage
+    arrives with its bit, strides and offset over the unconjugated storage, as torch's; one of
+    a large storage is cloned, which resolves the bit (as torch's ``clone``)."""
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    for view in (x.conj(), x.conj()[:, 1:3], x.conj().imag):
+        y = roundtrip(view)
+        assert (y.is_conj(), y.is_neg()) == (view.is_conj(), view.is_neg())
+        assert (y.stride(), y.storage_offset()) == (view.stride(), view.storage_offset())
+        assert torch.equal(y.resolve_conj().resolve_neg(), view.resolve_conj().resolve_neg())
+    big = torch.randn(64, 64, dtype=torch.complex64).conj()[:2]
+    y = roundtrip(big)
+    assert not y.is_conj() and torch.equal(y, big.resolve_conj())
+
+
+def _view_frame(
+    size: Any, stride: Any, offset: Any, nbytes: int = 96, *extra: Any
+) -> tuple[bytes, list[Any]]:
     """A hand-made message: one float32 view over a storage of ``nbytes`` received bytes."""
     from distgrad._wire._buffers import _rebuild_view
     from distgrad._wire._pickler import _Storage
@@ -460,7 +477,7 @@ def _view_frame(size: Any, stride: Any, offset: Any, nbytes: int = 96) -> tuple[
     class Frame:
         def __reduce__(self) -> Any:
             holder = _Storage(memoryview(bytearray(nbytes)))
-            return (_rebuild_view, (holder, torch.float32, size, stride, offset, False))
+            return (_rebuild_view, (holder, torch.float32, size, stride, offset, False, *extra))
 
     meta, buffers, _flags = dumps(Frame())
     received = []
@@ -506,6 +523,15 @@ def test_a_view_reaching_past_its_received_storage_is_refused(
     make no tensor."""
     meta, received = _view_frame(size, stride, offset)
     with pytest.raises(ProtocolError, match="received tensor view"):
+        loads(meta, received)
+
+
+@pytest.mark.parametrize("bits", [4, -1, 1.0, 1], ids=["unknown", "negative", "float", "conj_real"])
+def test_invalid_lazy_bits_are_refused(bits: Any) -> None:
+    """Lazy bits from the wire are checked: unknown ones, and a conjugate bit on a real
+    dtype, raise ProtocolError."""
+    meta, received = _view_frame((2,), (1,), 0, 96, bits)
+    with pytest.raises(ProtocolError, match="received tensor"):
         loads(meta, received)
 
 

@@ -72,10 +72,10 @@ def _taken(grad: torch.Tensor, alone: _Alone) -> bool:
     """True if nothing but the caller's references reaches the dense ``grad``: one C++ owner
     (its Python object), and no tensor on its storage but itself and -- for a view -- its
     base, which nothing else references either."""
-    if _uses(grad) != 1:
+    if grad._use_count() != 1:  # type: ignore[attr-defined]
         return False
     if not grad._is_view():
-        return _storage_refs(grad) == alone.storage
+        return int(_storage_use_count(grad.untyped_storage()._cdata)) == alone.storage
     base = grad._base
     assert base is not None
     if _uses(base) != alone.base_uses:
@@ -84,30 +84,20 @@ def _taken(grad: torch.Tensor, alone: _Alone) -> bool:
     return _base_refs(grad) == alone.base_refs and _storage_refs(grad) == alone.view_storage
 
 
-def _ref_counts(pair: tuple[Any, Any], grad: Any) -> tuple[int, int]:
-    """The Python references to a ``(variable, grad)`` pair and to its gradient, as the loops
-    of :meth:`DistAutogradContext.accumulate_grads` see them."""
-    return sys.getrefcount(pair), sys.getrefcount(grad)
-
-
 def _calibrate_refs() -> tuple[int, int]:
-    """:func:`_ref_counts` of a pair that only its list refers to, in a loop shaped as the
-    callers' (so the interpreter's own bookkeeping is measured, not assumed)."""
+    """The Python references, counted as the loops of
+    :meth:`DistAutogradContext.accumulate_grads` count them, to a ``(variable, grad)`` pair
+    that only its list refers to and to its gradient: measured in a loop of the same shape
+    (so the interpreter's own bookkeeping is measured, not assumed)."""
     pairs = [(None, torch.zeros(1))]
     for pair in pairs:
         _variable, given = pair
-        return _ref_counts(pair, given)
+        return sys.getrefcount(pair), sys.getrefcount(given)
     raise AssertionError("unreachable")
 
 
+#: (references to a pair, to its gradient) when nothing but the caller's list holds them
 _ALONE_REFS = _calibrate_refs()
-
-
-def _alone_pair(refs: tuple[int, int], grad: torch.Tensor) -> bool:
-    """True if ``refs`` (:func:`_ref_counts`, taken in the caller's loop) say that the caller's
-    ``pairs`` list holds the only reference to the pair and the pair the only one to ``grad``.
-    A gradient that requires grad is detached, so a copy anyway."""
-    return refs[0] <= _ALONE_REFS[0] and refs[1] <= _ALONE_REFS[1] and not grad.requires_grad
 
 
 def _first(variable: torch.Tensor, grad: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -232,11 +222,17 @@ class DistAutogradContext:
         and dense gradients mix freely; the sum is sparse only when both are. (No
         ``torch.no_grad()`` needed, and it would cost 5 us a call: the gradients are detached,
         so nothing here is recorded.)"""
+        alone_refs = _ALONE_REFS
         with self.lock:
             grads = self._grads
             for pair in pairs:
                 variable, given = pair
-                owned = _alone_pair(_ref_counts(pair, given), given)
+                # only the list holds the pair, only the pair the gradient (_calibrate_refs)
+                owned = (
+                    sys.getrefcount(pair) <= alone_refs[0]
+                    and sys.getrefcount(given) <= alone_refs[1]
+                    and not given.requires_grad
+                )
                 grad = given.detach() if given.requires_grad else given
                 entry = grads.get(id(variable))
                 if entry is None:
@@ -259,6 +255,7 @@ class DistAutogradContext:
         ``AccumulateGrad`` hook left in ``.grad`` (DDP's average) replaces the context's value,
         as torch's ``runGradCallbackForVariable`` does. Taken over without a copy under the
         rules of :meth:`accumulate_grads` (a view of a DDP bucket, say, is copied)."""
+        alone_refs = _ALONE_REFS
         with self.lock:
             grads = self._grads
             for pair in pairs:
@@ -266,7 +263,12 @@ class DistAutogradContext:
                 if given is None:
                     grads.pop(id(variable), None)
                     continue
-                owned = _alone_pair(_ref_counts(pair, given), given)
+                # only the list holds the pair, only the pair the gradient (_calibrate_refs)
+                owned = (
+                    sys.getrefcount(pair) <= alone_refs[0]
+                    and sys.getrefcount(given) <= alone_refs[1]
+                    and not given.requires_grad
+                )
                 grad = given.detach() if given.requires_grad else given
                 grads[id(variable)] = (variable, _first(variable, grad, owned))
 

@@ -347,7 +347,7 @@ class Pass:
         message = GradMessage(
             self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update
         )
-        self._message(record.src, self.messages.grad, (message,))
+        self._message(record.src, self.messages.grad, (message,), record.device_map)
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -362,7 +362,13 @@ class Pass:
                 self._send_grads(state, None)
         self._check_done()
 
-    def _message(self, worker: int, func: Any, args: tuple[Any, ...]) -> None:
+    def _message(
+        self,
+        worker: int,
+        func: Any,
+        args: tuple[Any, ...],
+        device_map: dict[torch.device, torch.device] | None = None,
+    ) -> None:
         agent = current_agent()
         if agent is None:
             raise BackwardError(
@@ -378,9 +384,9 @@ class Pass:
             # there fails that worker's part, which reaches the caller of backward through its
             # own first message's answer; a lost peer is reported by the agent.
             assert func is self.messages.grad  # START goes only to workers not in touch yet
-            agent.notify(worker, self.messages.late_grad, args)
+            agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
             return
-        agent.call_internal(worker, func, args, self._on_answer)
+        agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
         self.in_touch.add(worker)
         self.outstanding += 1
 

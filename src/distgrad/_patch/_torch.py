@@ -20,7 +20,7 @@ from .. import nn as _nn
 from .. import optim as _optim
 from .. import rpc as _rpc
 from ..nn.api import remote_module as _remote_module
-from ._hooks import after_import, alias
+from ._hooks import after_import, alias, target
 from ._rebind import Table
 
 __all__ = ["substitute"]
@@ -67,16 +67,6 @@ C_AUTOGRAD_NAMES = (
 _done = False
 
 
-def _torch_target(name: str) -> str | None:
-    target = MODULES.get(name)
-    if target is not None:
-        return target
-    for prefix, replacement in PREFIXES.items():
-        if name.startswith(prefix):
-            return replacement + name[len(prefix) :]
-    return None
-
-
 def _check_torch_agent() -> None:
     c_rpc = getattr(torch._C, "_distributed_rpc", None)
     is_set = getattr(c_rpc, "_is_current_rpc_agent_set", None)
@@ -105,16 +95,20 @@ def _c_module(name: str, table: Table, names: tuple[str, ...], source: ModuleTyp
 def _modules(table: Table) -> set[int]:
     """distgrad's modules under torch's names; returns the ids of torch's replaced ones."""
     replaced: set[int] = set()
-    for name in [n for n in list(sys.modules) if _torch_target(n) is not None]:
+    alias(MODULES, PREFIXES)  # from now on, an import of these names gives distgrad's
+    for name in list(sys.modules):
+        distgrad_name = target(name)
+        if distgrad_name is None:
+            continue
         old = sys.modules[name]
-        target = _torch_target(name)
-        assert target is not None
         if old is None:  # a failed import's marker: let the alias hook answer next time
             del sys.modules[name]
             continue
         try:
-            new = __import__(target, fromlist=["_"])
-        except ModuleNotFoundError:
+            new = __import__(distgrad_name, fromlist=["_"])
+        except ModuleNotFoundError as error:
+            if error.name != distgrad_name:
+                raise
             new = None
         if old is new:
             continue
@@ -128,7 +122,6 @@ def _modules(table: Table) -> set[int]:
     sys.modules["torch.distributed.autograd"] = _autograd
     torch.distributed.rpc = _rpc  # type: ignore[attr-defined]
     torch.distributed.autograd = _autograd  # type: ignore[attr-defined]
-    alias(MODULES, PREFIXES)
     return replaced
 
 

@@ -23,12 +23,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
+from .._devices._maps import plan_devices
 from .._rpc import _api
 from .._rpc._core._agent import RpcAgent, bind_thread, current_agent
 from .._rpc._core._options import TensorPipeRpcBackendOptions
@@ -241,14 +242,15 @@ def _stacks(idents: set[int | None]) -> str:
 def open_world(
     world_size: int,
     *,
-    options: TensorPipeRpcBackendOptions | None = None,
+    options: TensorPipeRpcBackendOptions | Sequence[TensorPipeRpcBackendOptions] | None = None,
     faults: FaultPlan | Iterable[Fault] | None = None,
     timeout: float = 30.0,
     dynamic: bool = False,
 ) -> Iterator[World]:
     """Start ``world_size`` agents named ``worker0`` ... in this process; shut them down on exit.
 
-    ``options`` defaults to :func:`world_options`. With ``faults`` (rules, or a plan), every
+    ``options`` defaults to :func:`world_options` (a sequence: one per rank; their device
+    maps are validated and planned as ``init_rpc`` does). With ``faults`` (rules, or a plan), every
     worker's transport injects them (``World.faults`` is the plan; an empty list gives a plan
     to add rules to later). ``timeout`` bounds each :meth:`World.run` and the shutdown. With
     ``dynamic``, the agents are those of a dynamic group: :meth:`World.join` adds (or restarts)
@@ -256,6 +258,13 @@ def open_world(
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     options = options if options is not None else world_options()
+    per_rank = (
+        [options] * world_size
+        if isinstance(options, TensorPipeRpcBackendOptions)
+        else list(options)
+    )
+    if len(per_rank) != world_size:
+        raise ValueError(f"{len(per_rank)} options for a world of {world_size}")
     plan = None
     if faults is not None:
         plan = faults if isinstance(faults, FaultPlan) else FaultPlan(faults)
@@ -271,7 +280,7 @@ def open_world(
                 f"worker{rank}",
                 rank,
                 0 if dynamic else world_size,
-                options,
+                per_rank[rank],
                 transport=factory,
                 isolated=True,
                 dynamic=dynamic,
@@ -285,12 +294,16 @@ def open_world(
         workers = [WorkerInfo(f"worker{rank}", rank) for rank in range(world_size)]
         for agent in agents:
             agent.set_peers(workers, addresses)
+        names = [w.name for w in workers]
+        records = {agent.worker_info.name: agent.device_record() for agent in agents}
+        for agent in agents:
+            agent.set_device_plan(plan_devices(agent.worker_info.name, names, records))
         store = None
         if dynamic:
             store = HashStore()
             write_state(
                 store,
-                {w.id: address_record(w, addresses[w.id], False) for w in workers},
+                {w.id: address_record(w, addresses[w.id], False, records[w.name]) for w in workers},
             )
             for agent in agents:
                 agent.keepalive.append(store)

@@ -73,6 +73,12 @@ def _rebuild_storage(buf: Any) -> torch.Tensor:
     return _buffer_tensor(buf)
 
 
+#: the lazy bits a received view may carry (torch's conjugate and negative views)
+_CONJ = 1
+_NEG = 2
+_set_conj: Any = torch._C._set_conj  # type: ignore[attr-defined]
+_set_neg: Any = torch._C._set_neg  # type: ignore[attr-defined]
+
 #: a received view's dimensions are bounded before any work is done on them
 _MAX_DIMS = 1024
 
@@ -84,10 +90,12 @@ def _rebuild_view(
     stride: tuple[int, ...],
     offset: int,
     requires_grad: bool,
+    bits: int = 0,
 ) -> torch.Tensor:
     """A tensor on a received storage with the sender's sizes, strides and storage offset,
     after checking that they stay inside that storage (a malformed or hostile frame must not
-    make a view of memory it did not send)."""
+    make a view of memory it did not send); ``bits``: its lazy conjugate (``_CONJ``) and
+    negative (``_NEG``) bits, as torch keeps them."""
     kind: Any = dtype
     if type(dtype) is int and 0 <= dtype < len(_TORCH_OF_CODE):
         kind = _TORCH_OF_CODE[dtype]
@@ -95,7 +103,14 @@ def _rebuild_view(
         raise ProtocolError(f"received tensor has no valid dtype: {dtype!r}")
     untyped = storage.untyped_storage()
     _check_view(untyped.nbytes(), kind.itemsize, size, stride, offset)
+    if type(bits) is not int or not 0 <= bits <= _CONJ | _NEG:
+        raise ProtocolError(f"received tensor has invalid view bits: {bits!r}")
     tensor = torch.empty(0, dtype=kind).set_(untyped, offset, size, stride)
+    if bits:
+        if bits & _CONJ and not kind.is_complex:
+            raise ProtocolError(f"received tensor of {kind} is marked conjugate")
+        _set_conj(tensor, bool(bits & _CONJ))
+        _set_neg(tensor, bool(bits & _NEG))
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor

@@ -6,11 +6,12 @@ copied into the pickle stream. The buffers travel after the stream in the same f
 received into freshly allocated memory that becomes the new tensor's storage.
 
 A tensor that owns exactly its storage (the common case) sends exactly ``numel * itemsize``
-bytes. Any other strided tensor (a view, a slice) follows torch's rule: cloned when its
-storage is at least 8 KiB and at least twice the bytes the tensor uses (so a small slice never
-drags a large storage along), otherwise sent with its whole storage, strides and storage
-offset kept -- it arrives laid out as it was, and views of one storage in one message arrive
-sharing one storage. The receiver checks every view against the storage it received.
+bytes. Any other strided tensor (a view, a slice, a lazy conjugate or negative view) follows
+torch's rule: cloned when its storage is at least 8 KiB and at least twice the bytes the
+tensor uses (so a small slice never drags a large storage along), otherwise sent with its
+whole storage, strides, storage offset and lazy bits kept -- it arrives laid out as it was,
+and views of one storage in one message arrive sharing one storage. The receiver checks
+every view against the storage it received.
 
 Sparse COO tensors travel as their (dense) indices and values. Other layouts and tensor
 subclasses fall back to their own ``__reduce_ex__``, whose inner plain tensors come back
@@ -42,6 +43,8 @@ import torch
 from .._errors import DistgradError
 from ._buffers import (
     _CODE_OF_DTYPE,
+    _CONJ,
+    _NEG,
     _STRIDED,
     _rebuild_array,
     _rebuild_array_grad,
@@ -70,7 +73,11 @@ _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
 _RECOPY_BYTES = 8 * 1024
 
 
-DeviceCheck = Callable[[torch.Tensor], torch.Tensor]
+DeviceCheck = Callable[[torch.Tensor], Any]
+"""What routes a tensor of a message by the device maps: called with every tensor not on the
+CPU -- and with CPU tensors too when it has a true ``routes_cpu`` attribute (a map with a
+``cpu`` entry) -- it returns ``None`` (send the tensor as it is, a CPU tensor) or the
+reduction that sends it (its host bytes and the device it lands on), or raises."""
 
 
 # The device policy of the dump in progress on this thread (set by ``dumps``); the reducers are
@@ -80,6 +87,8 @@ class _Policy(threading.local):
     table: list[torch.Tensor] | None = None
     #: storage address -> what carries its bytes in the dump in progress (see _reduce_view)
     storages: dict[int, Any] | None = None
+    #: ids of the host tensors inside routed reductions (a routing pickler's dump in progress)
+    staged: set[int] | None = None
 
 
 _policy = _Policy()
@@ -117,14 +126,19 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
                 _rebuild_array_grad if requires_grad else _rebuild_array,
                 (pickle.PickleBuffer(array), code, tuple(tensor.shape)),  # type: ignore[arg-type]
             )
-    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views: materialise
-        tensor = tensor.resolve_conj().resolve_neg()
     requires_grad = tensor.requires_grad
     if tensor.device.type != "cpu":
         device_check = _policy.device_check
         if device_check is None:
             return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
-        tensor = device_check(tensor)
+        routed = device_check(tensor)
+        if routed is not None:
+            staged = _policy.staged
+            if staged is not None:  # a routing pickler: its host tensors go as they are
+                staged.update(id(arg) for arg in routed[1] if isinstance(arg, torch.Tensor))
+            return routed
+    if tensor.layout != torch.strided and (tensor.is_conj() or tensor.is_neg()):
+        tensor = tensor.resolve_conj().resolve_neg()  # (a strided one keeps its bits)
     if tensor.layout == torch.sparse_coo:
         # indices and values are dense tensors: they come back through this table
         return (
@@ -151,7 +165,8 @@ def _reduce_view(tensor: torch.Tensor, code: int | None, requires_grad: bool) ->
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
     if nbytes >= _RECOPY_BYTES and nbytes >= 2 * tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()  # (torch's: the layout is kept where it is dense)
+        # (torch's: the layout is kept where it is dense; lazy conjugate/negative bits resolved)
+        tensor = tensor.clone()
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
     shared = _policy.storages
@@ -168,18 +183,18 @@ def _view_of(
     first: _Storage | torch.Tensor, tensor: torch.Tensor, code: int | None, requires_grad: bool
 ) -> Any:
     """``tensor`` as a view of the storage that ``first`` carries in this message: the
-    storage's bytes, or a tensor (owning its storage exactly) pickled earlier in it."""
-    return (
-        _rebuild_view,
-        (
-            first,
-            tensor.dtype if code is None else code,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.storage_offset(),
-            requires_grad,
-        ),
+    storage's bytes, or a tensor (owning its storage exactly) pickled earlier in it. A lazy
+    conjugate or negative view keeps its bit (the storage holds the unconjugated values)."""
+    args = (
+        first,
+        tensor.dtype if code is None else code,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.storage_offset(),
+        requires_grad,
     )
+    bits = (_CONJ if tensor.is_conj() else 0) | (_NEG if tensor.is_neg() else 0)
+    return (_rebuild_view, (*args, bits) if bits else args)
 
 
 class _Storage:
@@ -194,6 +209,23 @@ class _Storage:
 
 def _reduce_storage(holder: _Storage) -> Any:
     return (_rebuild_storage, (pickle.PickleBuffer(holder.buffer),))
+
+
+def _reduce_routed_tensor(tensor: torch.Tensor) -> Any:
+    """A tensor of a message whose device map routes CPU tensors too (a ``cpu`` entry): every
+    tensor asks the map first. Only such messages use it; the others keep the fast path.
+    The host tensors inside a routed reduction go as they are (``_policy.staged``)."""
+    if tensor.device.type == "cpu":
+        staged = _policy.staged
+        check = _policy.device_check
+        assert staged is not None and check is not None  # (set by the routing dump)
+        if id(tensor) in staged:
+            return _reduce_tensor(tensor)
+        routed = check(tensor)
+        if routed is not None:
+            staged.update(id(arg) for arg in routed[1] if isinstance(arg, torch.Tensor))
+            return routed
+    return _reduce_tensor(tensor)
 
 
 def _table_ref(index: int) -> torch.Tensor:
@@ -216,9 +248,13 @@ _PAYLOAD_DISPATCH[torch.Tensor] = _reduce_tensor_ref
 _TABLE_DISPATCH[torch.Tensor] = _reduce_tensor
 _PAYLOAD_DISPATCH[_Storage] = _reduce_storage
 _TABLE_DISPATCH[_Storage] = _reduce_storage
+_ROUTED_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
+_ROUTED_DISPATCH[torch.Tensor] = _reduce_routed_tensor
+_ROUTED_DISPATCH[_Storage] = _reduce_storage
 for _future_type in (torch.futures.Future, torch._C.Future):
     _PAYLOAD_DISPATCH[_future_type] = _reduce_future
     _TABLE_DISPATCH[_future_type] = _reduce_future
+    _ROUTED_DISPATCH[_future_type] = _reduce_future
 
 
 def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
@@ -227,6 +263,7 @@ def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
     elsewhere, such as RRefs, whose pickling forks a reference)."""
     _PAYLOAD_DISPATCH[kind] = reducer
     _TABLE_DISPATCH[kind] = reducer
+    _ROUTED_DISPATCH[kind] = reducer
 
 
 class _PayloadPickler(pickle.Pickler):
@@ -235,6 +272,16 @@ class _PayloadPickler(pickle.Pickler):
 
 class _TablePickler(pickle.Pickler):
     dispatch_table = _TABLE_DISPATCH
+
+
+class _RoutedPickler(pickle.Pickler):
+    """A table pickler for messages whose map routes CPU tensors (always a fresh one)."""
+
+    dispatch_table = _ROUTED_DISPATCH
+
+
+def _routes_cpu(device_check: DeviceCheck | None) -> bool:
+    return device_check is not None and getattr(device_check, "routes_cpu", False)
 
 
 def _fresh(
@@ -358,8 +405,7 @@ def encode(
     bytes as out-of-band buffers -- goes in front of the payload stream. Without ``make_ext``
     (no layer above wants to see the tensors: the common case) the message is one stream with
     the tensors' buffers inline, which costs one pickling pass instead of two.
-    ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g. a
-    CPU copy) or raises.
+    ``device_check`` routes tensors by the device maps (see :data:`DeviceCheck`).
     """
     if _profiler_enabled():
         return _unrecorded(_encode, obj, make_ext, device_check)
@@ -388,7 +434,10 @@ def _encode(
         if not tensors and ext is None:
             return Encoded(payload, payload_buffers, tensors, 0)
         table: pickle.Pickler
-        if reuse:  # this thread's table pickler comes with its payload pickler
+        if _routes_cpu(device_check):
+            table_file, table_buffers, table = _fresh(_RoutedPickler)
+            _policy.staged = set()
+        elif reuse:  # this thread's table pickler comes with its payload pickler
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
             table_file, table_buffers, table = _fresh(_TablePickler)
@@ -402,6 +451,7 @@ def _encode(
     finally:
         _policy.table = previous
         _policy.device_check = None
+        _policy.staged = None
         _policy.storages = None
         if reuse:
             cache.release()
@@ -443,7 +493,12 @@ def _is_plain(obj: Any) -> bool:
 def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
     if _is_plain(obj):
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
-    file, buffers, pickler, reuse = cache.acquire(table=True)
+    if _routes_cpu(device_check):
+        file, buffers, pickler = _fresh(_RoutedPickler)
+        reuse = False
+        _policy.staged = set()
+    else:
+        file, buffers, pickler, reuse = cache.acquire(table=True)
     _policy.device_check = device_check
     _policy.storages = {}
     try:
@@ -451,6 +506,7 @@ def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck |
         return Encoded(file.getvalue(), list(buffers), [], 0)
     finally:
         _policy.device_check = None
+        _policy.staged = None
         _policy.storages = None
         if reuse:
             cache.release()

@@ -52,7 +52,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from ... import _config
+from ..._devices._backend import DeviceBackend, install_receiver
+from ..._devices._cuda import CudaBackend
+from ..._devices._maps import DevicePlan, default_devices, maps_from_record, maps_to_record
 from ..._errors import PeerFailureError, RpcShutdownError
 from ..._omp import join_openmp_runtime
 from ..._transport._base import (
@@ -187,6 +192,63 @@ class RpcAgent(Outgoing, OneWay, Serving):
 
     def _bind_thread(self) -> None:
         bind_thread(self)
+
+    # -- devices ---------------------------------------------------------------------------------
+    def _chosen_backend(self) -> DeviceBackend | None:
+        """A backend given in the options (``_device_backend``: tests' fakes), if any."""
+        backend: DeviceBackend | None = getattr(self.options, "_device_backend", None)
+        return backend
+
+    def device_record(self) -> dict[str, Any]:
+        """What this worker publishes of its devices at init: its CUDA device count, maps
+        and ``devices`` (validated by every worker as torch does)."""
+        backend = self._chosen_backend() or DeviceBackend()
+        opts = self.options
+        return maps_to_record(backend.device_count(), opts.device_maps, opts.devices)
+
+    @property
+    def device_plan(self) -> DevicePlan:
+        """This worker's device maps after init (requests, responses, devices)."""
+        return self._codec.plan
+
+    def set_device_plan(self, plan: DevicePlan) -> None:
+        """Use ``plan`` (init, or a member joined). The CUDA backend is chosen only when the
+        plan names CUDA devices and CUDA is available: otherwise the CPU one (no-op)."""
+        backend = self._chosen_backend()
+        if backend is None:
+            backend = self._codec.backend
+            wants_cuda = any(d.type == "cuda" for d in plan.devices)
+            if wants_cuda and backend.name == "cpu" and torch.cuda.is_available():
+                # as torch: CUDA's state is set up before any peer sends CUDA tensors here
+                torch.cuda.init()  # type: ignore[no-untyped-call]
+                backend = CudaBackend()
+        if plan.used:
+            install_receiver(backend)
+        self._codec.set_device_plan(plan, backend)
+
+    def _get_device_map(self, to: WorkerInfo) -> dict[torch.device, torch.device]:
+        """torch's ``TensorPipeAgent._get_device_map``: this worker's map to ``to`` (empty:
+        none), what its requests to ``to`` use."""
+        return dict(self._codec.plan.maps.get(to.name, {}))
+
+    def _get_backend_options(self) -> TensorPipeRpcBackendOptions:
+        """torch's ``TensorPipeAgent._get_backend_options``: the options this agent runs with."""
+        return self.options
+
+    def device_member_joined(self, name: str, record: dict[str, Any] | None) -> None:
+        """A member joined a dynamic group (it validated everyone's maps): responses to it
+        use the inverse of its map to this worker, and default devices are derived again
+        (torch's ``_update_group_membership``)."""
+        plan = self._codec.plan
+        _count, maps, _devices = maps_from_record(record)
+        reverse = dict(plan.reverse)
+        mine = maps.get(self.worker_info.name)
+        if mine:
+            reverse[name] = {v: k for k, v in mine.items()}
+        else:
+            reverse.pop(name, None)
+        devices = plan.devices if self.options.devices else default_devices([], plan.maps, reverse)
+        self.set_device_plan(DevicePlan(plan.maps, reverse, devices))
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:

@@ -113,6 +113,8 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
 
     #: the agent's pools (worker threads, callback threads)
     _pools: tuple[ThreadPool, ...] = ()
+    #: the CUDA devices of a device-aware future (``devices=``), which ``then`` passes on
+    _device_list: list[torch.device] = []
 
     def wait(self) -> Any:
         if self._pools and not self.done():
@@ -135,7 +137,11 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
         -- the original exception is its ``__cause__``."""
         if not callable(callback):
             return super().then(callback)  # raises pybind's "then(): incompatible ..." error
-        chained = RpcFuture()
+        if self._device_list:  # completed on the callback's synced streams, events recorded
+            chained = RpcFuture(devices=list[Any](self._device_list))
+            chained._device_list = self._device_list
+        else:
+            chained = RpcFuture()
         chained._pools = self._pools
 
         def run(done: torch.futures.Future[Any]) -> None:

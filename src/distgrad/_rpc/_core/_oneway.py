@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..._devices._maps import DeviceMap
 from ..._errors import (
     DistgradError,
     FrameNotSentError,
@@ -75,7 +76,15 @@ class OneWay:
             internal: bool = False,
         ) -> torch.futures.Future[Any]: ...
 
-    def notify(self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False) -> None:
+    def notify(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        *,
+        later: bool = False,
+        device_map: DeviceMap | None = None,
+    ) -> None:
         """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
         nothing (an error there is logged there). The layer above learns of a lost peer through
         the agent's failure detection, not through this call. Raises if it cannot be sent.
@@ -84,7 +93,7 @@ class OneWay:
         that write's frame), or at the latest with the next heartbeat tick
         (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
         no wake-up of the peer of their own. Such a message is lost if the connection fails
-        before it went out.
+        before it went out. ``device_map`` as for ``call_internal``.
 
         On the I/O thread it never dials (see ``_dialer``): with no connection open to ``dst``,
         the message is sent by ``dst``'s dialing thread once it has connected (and a failure
@@ -92,15 +101,15 @@ class OneWay:
         if self.state.stopped:
             raise self._stopped_error("NOTIFY")
         if not self._io.in_loop():
-            self._notify(dst, func, args, later)
+            self._notify(dst, func, args, later, device_map=device_map)
             return
         if self._writable_now(dst):
             try:
-                self._notify(dst, func, args, later, redial=False)
+                self._notify(dst, func, args, later, redial=False, device_map=device_map)
                 return
             except FrameNotSentError:
                 pass  # (the connection broke: a new one is dialed off this thread)
-        self._dialer.submit(dst, lambda: self._notify_logged(dst, func, args, 1))
+        self._dialer.submit(dst, lambda: self._notify_logged(dst, func, args, 1, device_map))
 
     def post(
         self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False, attempts: int = 1
@@ -137,14 +146,21 @@ class OneWay:
         assert self._transport is not None
         return self._transport.open_link(dst) is not None
 
-    def _notify_logged(self, dst: int, func: Any, args: tuple[Any, ...], attempts: int) -> None:
+    def _notify_logged(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        attempts: int,
+        device_map: DeviceMap | None = None,
+    ) -> None:
         """Send now, dialing if needed, ``attempts`` times while connections break (a dialing
         thread's part of :meth:`notify` and :meth:`post`)."""
         for attempt in range(attempts):
             if self.state.stopped:
                 return
             try:
-                self._notify(dst, func, args, False)
+                self._notify(dst, func, args, False, device_map=device_map)
                 return
             except RpcShutdownError:
                 return
@@ -154,7 +170,14 @@ class OneWay:
                     return
 
     def _notify(
-        self, dst: int, func: Any, args: tuple[Any, ...], later: bool, *, redial: bool = True
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        later: bool,
+        *,
+        redial: bool = True,
+        device_map: DeviceMap | None = None,
     ) -> None:
         """Write the message on the connection to ``dst`` (dialed if none is open). A frame
         found not sent (a broken connection) goes once more on a new one -- unless not
@@ -163,7 +186,9 @@ class OneWay:
             raise self._stopped_error("NOTIFY")
         assert self._transport is not None
         conn = self._transport.connection(dst)
-        encoded = encode((func, args))
+        encoded = encode(
+            (func, args), device_check=self._codec.device_check("Request", dst, device_map)
+        )
         self._codec.check_size(encoded, dst)
         info = describe_request(func, args, wrapped=False) if self._describe else None
         if later:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..._devices._backend import Arrivals, Process, take_arrivals
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import Link, MessageInfo
 from ..._wire._frames import Frame, Kind
@@ -81,6 +82,8 @@ class Serving:
                 "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
             )
             return
+        if Process.seen:  # a device tensor arrived (ever): settle this message's on the host
+            self._codec.backend.settle(take_arrivals())
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
         elif self.state.stopped:
@@ -137,6 +140,7 @@ class Serving:
             unrun = None
         finally:
             collected = references.stop_collecting(previous) if references is not None else None
+            arrivals = take_arrivals() if Process.seen else None
         if self._describe and unrun is None:  # replies go out described (fault injection)
             wrapped = bool(states) and states[0] is not None
             conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
@@ -159,6 +163,43 @@ class Serving:
             return
         del frame.buffers[:]
         state = states[0] if states else None
+        if arrivals is not None:
+            self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
+            return
+        self._run(conn, frame, func, args, kwargs, state)
+
+    def _serve_on_devices(
+        self,
+        conn: Link,
+        frame: Frame,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+        arrivals: Arrivals,
+    ) -> None:
+        """Run a request whose tensors arrived on devices: a user function runs (and its reply
+        is staged) under the streams that carried them, as torch's callee; distgrad's own
+        handlers may hand values to other threads, so those wait on the host first."""
+        backend = self._codec.backend
+        if getattr(func, "__module__", "").startswith("distgrad."):
+            backend.settle(arrivals)
+            self._run(conn, frame, func, args, kwargs, state)
+            return
+        with backend.running_under(arrivals):
+            self._run(conn, frame, func, args, kwargs, state, arrivals)
+
+    def _run(
+        self,
+        conn: Link,
+        frame: Frame,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+        arrivals: Arrivals | None = None,
+    ) -> None:
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
         run = func
         wrap = _profiling.serving_wrapper  # rpc._server_process_global_profile is open
         if wrap is not None:
@@ -166,14 +207,16 @@ class Serving:
         try:
             if state is None:
                 if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                    self._serve_async(conn, frame.message_id, run, args, kwargs, None)
+                    self._serve_async(conn, frame.message_id, run, args, kwargs, None, arrivals)
                     return
                 result = run(*args, **(kwargs or {}))
             else:
                 assert extension is not None
                 with extension.scope(state):
                     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                        self._serve_async(conn, frame.message_id, run, args, kwargs, state)
+                        self._serve_async(
+                            conn, frame.message_id, run, args, kwargs, state, arrivals
+                        )
                         return
                     result = run(*args, **(kwargs or {}))
         except BaseException as exc:
@@ -198,6 +241,7 @@ class Serving:
         args: Any,
         kwargs: Any,
         state: int | None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         future = check_async_result(func(*args, **(kwargs or {})))
         with self._active_lock:
@@ -206,6 +250,8 @@ class Serving:
         def respond(done: torch.futures.Future[Any]) -> None:
             with self._active_lock:
                 self._serving_async -= 1
+            if arrivals is not None:  # the reply is staged after the request's device work
+                self._codec.backend.join_current(arrivals)
             try:
                 result = done.value()
             except BaseException as exc:

@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ... import _config
+from ..._devices._maps import plan_devices
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import PeerAddress
 from .._core._agent import RpcAgent, current_agent
@@ -81,7 +82,7 @@ def join_group(
     some members only; :class:`LeaseLostError` if this worker stalled past the lease's bound
     while joining (the next holder undoes its join)."""
     me = agent.worker_info
-    record = _rendezvous.address_record(me, address, explicit_secret)
+    record = _rendezvous.address_record(me, address, explicit_secret, agent.device_record())
     lease = lease_for(agent, store, record)
     state = lease.acquire(timeout)
     try:
@@ -106,6 +107,18 @@ def join_group(
                 + " (TensorPipeRpcBackendOptions(secret=...) or $DISTGRAD_SECRET): set the same "
                 "secret on every member, or on none"
             )
+        # the joiner validates everyone's device maps (torch's checks; names are not checked:
+        # a target may join later) before the group hears of it
+        plan = plan_devices(
+            me.name,
+            [me.name, *(str(rec["name"]) for rec in records.values())],
+            {
+                me.name: record["devices"],
+                **{str(rec["name"]): rec.get("devices") for rec in records.values()},
+            },
+            is_static_group=False,
+        )
+        agent.set_device_plan(plan)
         lease.commit(members, {"kind": "join", "rank": me.id, "record": record})
         workers = [WorkerInfo(str(rec["name"]), rank) for rank, rec in records.items()]
         addresses = {rank: _rendezvous.address_from_record(rec) for rank, rec in records.items()}
@@ -271,6 +284,7 @@ def _member_joined(name: str, rank: int, record: dict[str, Any]) -> None:
     agent = current_agent()
     if agent is not None:
         agent.add_member(WorkerInfo(name, rank), _rendezvous.address_from_record(record))
+        agent.device_member_joined(name, record.get("devices"))
 
 
 def _member_left(rank: int, incarnation: int, reason: str = "it shut down") -> None:

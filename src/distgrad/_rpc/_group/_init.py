@@ -61,6 +61,8 @@ def _to_options(options: object) -> TensorPipeRpcBackendOptions:
         num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
         rpc_timeout=float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
         init_method=str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
+        device_maps=dict(getattr(options, "device_maps", None) or {}),
+        devices=list(getattr(options, "devices", None) or []),
     )
     return converted
 
@@ -272,10 +274,11 @@ def _start_agent(
         address = agent.start_transport(
             secret.key, _rendezvous.listen_host(options.init_method, options)
         )
-        workers, addresses = _rendezvous.exchange_addresses(
-            store, agent.worker_info, address, world_size, secret.explicit
+        workers, addresses, plan = _rendezvous.exchange_addresses(
+            store, agent.worker_info, address, world_size, secret.explicit, agent.device_record()
         )
         agent.set_peers(workers, addresses)
+        agent.set_device_plan(plan)
         set_current_agent(agent)
         _register_exit_hook()
         _rendezvous.barrier(store, "distgrad/ready", world_size)
