@@ -177,6 +177,13 @@ def _switches(pid: int) -> dict[str, int]:
     return dict(out)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _group(name: str) -> str:
     for prefix in ("distgrad-worker", "distgrad-callback", "distgrad-io", "distgrad-outbox"):
         if name.startswith(prefix[:15]):
@@ -223,7 +230,11 @@ def wakeups_caller(rpc: Any, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
         body()  # warm
         before = (_switches(me), _switches(peer))  # (without strace: its stops are switches too)
+        cpu = (_cpu_s(me), _cpu_s(peer))
+        started = time.perf_counter()
         body()
+        wall = time.perf_counter() - started
+        cpu = (_cpu_s(me) - cpu[0], _cpu_s(peer) - cpu[1])
         after = (_switches(me), _switches(peer))
         tracers = []
         files = []
@@ -238,7 +249,10 @@ def wakeups_caller(rpc: Any, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
         for tracer in tracers:
             tracer.send_signal(signal.SIGINT)
             tracer.wait(timeout=30)
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {
+            "wall_us": round(wall / n * 1e6, 1),
+            "cpu_us": {"caller": round(cpu[0] / n * 1e6, 1), "callee": round(cpu[1] / n * 1e6, 1)},
+        }
         for side, b, a in (("caller", before[0], after[0]), ("callee", before[1], after[1])):
             result[f"{side}_wakeups"] = {
                 k: round((a.get(k, 0) - b.get(k, 0)) / n, 2)

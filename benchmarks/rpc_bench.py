@@ -19,6 +19,9 @@ Each implementation runs in its own freshly spawned 2-process group (caller ``wo
 callee ``worker1``, rendezvous on ``tcp://127.0.0.1:<free port>``). The groups are
 interleaved in rounds (torch, distgrad, torch, distgrad, ...) so that drift on a noisy
 machine affects both alike, and every figure is a median over the samples of all rounds.
+Every round also measures the floor under both (with ``latency``): a 16-byte ping-pong between
+two Python processes over a Unix socket, blocking I/O (``_pingpong.py``); each
+implementation's ``rpc_sync`` median is reported as a multiple of it.
 See benchmarks/README.md for what each metric means and the targets.
 """
 
@@ -54,11 +57,14 @@ from _common import (
     snapshot_package,
     write_json,
 )
+from _pingpong import pingpong_us
 
 METRICS = ("latency", "async", "echo")
 DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB"
 # Targets from the issue, as bounds on the ratio distgrad / torch.
 LATENCY_TARGET = 0.5  # distgrad/torch small-call latency must be <= this
+FLOOR_TARGET = 4.0  # distgrad rpc_sync no-op / raw 16-byte Unix-socket ping-pong must be <= this
+ASYNC_TARGET = 3.0  # distgrad/torch rpc_async throughput must be >= this
 ECHO_TARGET = 1.0  # distgrad/torch GB/s for 16-64 MiB echo must be >= this
 ECHO_TARGET_RANGE = (16 * 1024**2, 64 * 1024**2)
 
@@ -241,6 +247,8 @@ def make_config(args: argparse.Namespace) -> dict[str, Any]:
         cfg = {
             "lat_iters": 1000,
             "lat_warmup": 100,
+            "pp_iters": 5000,
+            "pp_warmup": 500,
             "async_calls": 2000,
             "async_reps": 2,
             "echo_bytes": 256 * 1024**2,
@@ -253,6 +261,8 @@ def make_config(args: argparse.Namespace) -> dict[str, Any]:
         cfg = {
             "lat_iters": 10000,
             "lat_warmup": 1000,
+            "pp_iters": 20000,
+            "pp_warmup": 2000,
             "async_calls": 5000,
             "async_reps": 5,
             "echo_bytes": 2 * 1024**3,
@@ -399,6 +409,25 @@ def build_rows(samples: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> list[
             percentile(lat_d, 90),
             "lower",
         )
+        floor = samples.get("floor", {}).get("pingpong_us", [])
+        if floor:
+            pp = median(floor)
+            ratio_d = _ratio(median(lat_d), pp)
+            status = (
+                "n/a" if math.isnan(ratio_d) else ("PASS" if ratio_d <= FLOOR_TARGET else "MISS")
+            )
+            rows.append(
+                {
+                    "metric": f"rpc_sync no-op / 16 B ping-pong ({_fmt(pp)} µs)",
+                    "unit": "x floor",
+                    "torch": _ratio(median(lat_t), pp),
+                    "distgrad": ratio_d,
+                    "ratio": _ratio(median(lat_d), median(lat_t)),
+                    "better": "lower",
+                    "target": f"distgrad <= {FLOOR_TARGET:.2f}x floor",
+                    "status": status,
+                }
+            )
     if "async" in cfg["only"]:
         add(
             f"rpc_async throughput, {cfg['async_calls']} in flight",
@@ -406,6 +435,7 @@ def build_rows(samples: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> list[
             median(ts["async_rate"]),
             median(ds["async_rate"]),
             "higher",
+            (">=", ASYNC_TARGET),
         )
     if "echo" in cfg["only"]:
         for size in cfg["sizes"]:
@@ -484,8 +514,10 @@ def print_report(
         print()
         print("Targets (from the issue)")
         for r in targets:
+            value = r["distgrad"] if r["unit"] == "x floor" else r["ratio"]
+            what = "distgrad" if r["unit"] == "x floor" else "distgrad/torch"
             print(
-                f"  {r['status']:<4}  {r['metric']}: distgrad/torch = {_fmt_ratio(r['ratio'])}"
+                f"  {r['status']:<4}  {r['metric']}: {what} = {_fmt_ratio(value)}"
                 f" (target {r['target']})"
             )
 
@@ -497,6 +529,14 @@ def print_report(
         keys.append(("async_calls_per_s", "async (calls/s)"))
     if "echo" in cfg["only"]:
         keys += [(f"echo_{s}", f"echo {format_size(s)} (GB/s)") for s in cfg["sizes"]]
+    floors = [g for g in per_round if g["impl"] == "ping-pong"]
+    if floors:
+        print()
+        print(
+            "16-byte Unix-socket ping-pong between two Python processes, per round (µs): "
+            + ", ".join(f"r{g['round']} {g['median_us']:.1f}" for g in floors)
+        )
+    per_round = [g for g in per_round if g["impl"] != "ping-pong"]
     rounds = max((g["round"] for g in per_round), default=0)
     columns = [(impl, r) for impl in IMPLEMENTATIONS for r in range(1, rounds + 1)]
     groups = {(g["impl"], g["round"]): g for g in per_round}
@@ -557,9 +597,17 @@ def _run_rounds(
     env: dict[str, str],
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     samples = {impl: _new_samples() for impl in IMPLEMENTATIONS}
+    samples["floor"] = {"pingpong_us": []}
     per_round: list[dict[str, Any]] = []
     timeout = args.group_timeout or group_timeout(cfg)
     for rnd in range(1, args.rounds + 1):
+        if "latency" in cfg["only"]:  # the floor, in the same round as the RPCs it bounds
+            pp = pingpong_us(cfg["pp_iters"], cfg["pp_warmup"])
+            samples["floor"]["pingpong_us"] += pp
+            per_round.append(
+                {"round": rnd, "impl": "ping-pong", "ok": True, "median_us": median(pp)}
+            )
+            print(f"  round {rnd}/{args.rounds} ping-pong: {median(pp):.1f} µs", flush=True)
         # ABBA order (torch, distgrad, distgrad, torch, ...): interleaved, and linear drift
         # over the run cancels out as well as it can.
         order = IMPLEMENTATIONS if rnd % 2 else IMPLEMENTATIONS[::-1]
