@@ -161,7 +161,9 @@ _REQUIRED = (
 def missing_internals() -> list[str]:
     """The torch profiler internals that :func:`install` wraps or uses and this torch lacks."""
     return [
-        f"{getattr(owner, '__qualname__', owner.__name__)}.{name}"
+        f"{getattr(owner, '__module__', '')}.{owner.__qualname__}.{name}".lstrip(".")
+        if isinstance(owner, type)
+        else f"{owner.__name__}.{name}"
         for owner, name in _REQUIRED
         if getattr(owner, name, None) is None
     ]
@@ -178,7 +180,8 @@ def install() -> None:
     if missing:
         _log.warning(
             "distgrad: torch %s lacks %s; remote events are not added to torch's profiler "
-            "results (RPC and distgrad.profiler.export_chrome_trace are not affected)",
+            "results, and distgrad.profiler.export_chrome_trace is unavailable (RPC itself "
+            "is not affected)",
             torch.__version__,
             ", ".join(missing),
         )
@@ -188,7 +191,8 @@ def install() -> None:
     except Exception as exc:  # a torch whose internals differ: the feature is off, RPC is not
         _log.warning(
             "distgrad: could not wrap torch %s's profiler (%r); remote events are not added "
-            "to torch's profiler results",
+            "to torch's profiler results, and distgrad.profiler.export_chrome_trace is "
+            "unavailable (RPC itself is not affected)",
             torch.__version__,
             exc,
         )
