@@ -1,15 +1,30 @@
 """distgrad: distributed autograd over RPC for PyTorch.
 
-Layers, each using only the ones listed before it (never the other way round)::
+Layers, each using only the ones listed before it (never the other way round, and no import
+cycles: function-local and type-only imports count; tests/unit/test_import_graph.py checks)::
 
-    _wire       framing, the tensor-aware pickler, limits         (bytes <-> messages)
-    _transport  connections, handshake, TLS, heartbeats, I/O thread (messages <-> peers)
-    _rpc        the agent: rendezvous, calls, futures, shutdown   (calls <-> messages)
-    autograd    contexts, send/recv functions, backward engine     (later)
-    optim, nn   DistributedOptimizer, RemoteModule (on rpc, autograd)
+    _errors, _config, _omp      the exception tree, constants and environment variables
+    _wire                       framing, the tensor-aware pickler, limits  (bytes <-> messages)
+    _transport                  connections, handshake, TLS, heartbeats, the I/O thread,
+                                in-memory and fault-injecting transports  (messages <-> peers)
+    _rpc._core                  the agent: calls, serving, codec, call table, pools,
+                                statistics, the layer protocol            (calls <-> messages)
+    _rpc._rrefs                 RRefs, remote(), the owner and fork protocol, notices
+                                (a layer over the agent core, as autograd is)
+    _rpc._group                 rendezvous, init_rpc and shutdown, dynamic membership,
+                                group operations
+    _rpc._api                   the public RPC functions
+    _autograd                   contexts, send/recv functions, the backward engine
+    _optim, _nn, _profiler      DistributedOptimizer, RemoteModule, profiling across workers
+    _testing                    in-memory worlds of whole agents (for tests)
+    rpc, autograd, optim, nn,   the public, torch-shaped modules (thin re-exports)
+    profiler, testing
+    _cli, _launcher, _slurm,    ``distgrad demo``, ``distgrad run``
+    _demo, __main__
 
 The public, torch-shaped modules are :mod:`distgrad.rpc`, :mod:`distgrad.autograd`,
-:mod:`distgrad.optim` and :mod:`distgrad.nn`; everything with a leading underscore is private.
+:mod:`distgrad.optim`, :mod:`distgrad.nn`, :mod:`distgrad.profiler` and
+:mod:`distgrad.testing`; everything with a leading underscore is private.
 """
 
 from __future__ import annotations

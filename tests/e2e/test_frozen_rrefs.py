@@ -77,6 +77,8 @@ def _traffic(rank: int, world_size: int, seconds: float) -> dict[str, Any]:
 
 
 def frozen_rref_program(rank: int, world_size: int) -> dict[str, Any]:
+    from distgrad._rpc._rrefs._rref_context import leaks_of
+
     agent = rpc._get_current_rpc_agent()
     if rank == 0:  # the driver: stops worker1 during the traffic, and continues it
         target = rpc.rpc_sync("worker1", pid)
@@ -105,7 +107,7 @@ def frozen_rref_program(rank: int, world_size: int) -> dict[str, Any]:
     except Exception as exc:
         outcome["shutdown"] = f"{type(exc).__name__}: {exc}"
     outcome["shutdown_s"] = time.monotonic() - stopping
-    outcome["leaks"] = len(agent.rref_leaks)
+    outcome["leaks"] = len(leaks_of(agent))
     return outcome
 
 

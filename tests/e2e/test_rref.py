@@ -158,6 +158,7 @@ def test_life_cycle_across_four_workers() -> None:
 def back_to_owner(rank: int, world_size: int) -> dict[str, Any]:
     """worker0 sends its UserRRef to the owner in 50 calls (the batch RL agent's pattern)."""
     from distgrad._rpc._core._agent import current_agent
+    from distgrad._rpc._rrefs._rref_context import context_of
 
     out: dict[str, Any] = {}
     if rank == 0:
@@ -168,7 +169,7 @@ def back_to_owner(rank: int, world_size: int) -> dict[str, Any]:
         )
         agent = current_agent()
         assert agent is not None
-        pending = agent.rrefs._pending_children
+        pending = context_of(agent)._pending_children
         deadline = time.monotonic() + 10
         while pending and time.monotonic() < deadline:
             time.sleep(0.01)

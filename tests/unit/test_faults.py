@@ -12,6 +12,7 @@ import torch
 import distgrad.rpc as rpc
 import distgrad.rpc._testing as rpc_testing
 from distgrad._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
+from distgrad._rpc._rrefs._rref_context import context_of
 from distgrad._transport._base import MessageInfo
 from distgrad.testing import Fault, FaultPlan, current_fault_plan, open_world, world_options
 
@@ -261,7 +262,7 @@ def test_retryable_control_messages_survive_torchs_default_failures() -> None:
         agents = world.agents
     assert plan.fired("fail")
     for agent in agents:
-        assert agent.rrefs.debug_info()["num_forks"] == "0"
+        assert context_of(agent).debug_info()["num_forks"] == "0"
 
 
 def _add_rref_to_value(rref: rpc.RRef[torch.Tensor], value: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from distgrad._profiler._layer import ProfilingLayer
 from distgrad._rpc._core import _layer
 from distgrad._rpc._core._agent import RpcAgent
 from distgrad._rpc._core._layer import RpcLayer, register_layer, unregister_layer
+from distgrad._rpc._rrefs._layer import RRefLayer
 from distgrad._testing._world import open_world
 
 
@@ -58,13 +59,14 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def test_distgrad_registers_autograd_and_profiler_once() -> None:
-    """Importing the public modules registers one autograd and one profiling layer, each
-    holding its role."""
+def test_distgrad_registers_autograd_profiler_and_rrefs_once() -> None:
+    """Importing the public modules registers one autograd, one profiling and one RRef layer,
+    each holding its role."""
     names = [layer.name for layer in _layer.layers()]
-    assert sorted(names) == ["autograd", "profiler"]
+    assert sorted(names) == ["autograd", "profiler", "rrefs"]
     assert isinstance(_layer.call_recorder(), AutogradLayer)
     assert isinstance(_layer.call_profiler(), ProfilingLayer)
+    assert isinstance(_layer.reference_tracker(), RRefLayer)
 
 
 def test_registration_keeps_order_and_is_idempotent() -> None:

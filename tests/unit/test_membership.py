@@ -15,6 +15,7 @@ import distgrad.rpc as rpc
 from distgrad._autograd._context import CONTAINER
 from distgrad._errors import PeerFailureError
 from distgrad._rpc._core._agent import current_agent
+from distgrad._rpc._rrefs._rref_context import context_of
 from distgrad._testing._world import World, open_world
 
 
@@ -155,7 +156,7 @@ def _tables(world: World) -> list[tuple[int, int, int]]:
     def sizes(rank: int) -> tuple[int, int, int]:
         agent = current_agent()
         assert agent is not None
-        info = agent.rrefs.debug_info()
+        info = context_of(agent).debug_info()
         return (
             CONTAINER.num_contexts(),
             int(info["num_owner_rrefs"]) + int(info.get("num_forks", 0)),

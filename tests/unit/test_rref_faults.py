@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
+from distgrad._rpc._rrefs._rref_context import context_of
 from distgrad.testing import Fault, World, open_world, world_options
 
 #: a lost control message is retried after the RPC timeout (as torch's sendWithRetries)
@@ -104,7 +105,7 @@ XFAIL: dict[str, str] = {}
 
 def _tables(world: World) -> dict[int, dict[str, str]]:
     gc.collect()  # RRefs in reference cycles (tracebacks) are dropped now, not some day
-    return {rank: world.agents[rank].rrefs.debug_info() for rank in world.alive()}
+    return {rank: context_of(world.agents[rank]).debug_info() for rank in world.alive()}
 
 
 def _wait_empty(world: World, bound: float = 8.0) -> dict[int, dict[str, str]]:

@@ -15,6 +15,7 @@ import distgrad.rpc as rpc
 from distgrad._autograd._context import CONTAINER
 from distgrad._errors import PeerFailureError
 from distgrad._rpc._core._agent import current_agent
+from distgrad._rpc._rrefs._rref_context import context_of
 from distgrad._testing._world import WorldTimeout, open_world, world_options
 from distgrad._wire._frames import Kind
 
@@ -131,7 +132,7 @@ def test_rrefs_across_workers_leave_the_tables_empty() -> None:
         del use
         agents = world.agents
     for agent in agents:
-        info = agent.rrefs.debug_info()
+        info = context_of(agent).debug_info()
         assert info["num_owner_rrefs"] == "0" and info["num_forks"] == "0", info
 
 

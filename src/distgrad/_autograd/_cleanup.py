@@ -11,11 +11,10 @@ import torch
 
 from .._errors import DistgradError, RpcShutdownError
 from .._rpc._core import _profiling
-from .._rpc._core._agent import current_agent
-from .._rpc._core._current import bind_thread
+from .._rpc._core._agent import bind_thread, current_agent
 from .._rpc._core._functions import after_current_task
 from ._context import _ID_BITS, CONTAINER, DistAutogradContext
-from ._engine import BackwardError
+from ._pass import BackwardError
 
 if TYPE_CHECKING:
     from .._rpc._core._agent import RpcAgent

@@ -45,6 +45,7 @@ import torch
 from .._errors import RpcTimeoutError, rpc_timeout_message
 from .._rpc._core._agent import current_agent
 from .._rpc._core._functions import async_execution, on_io_thread
+from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
 from ._pass import (
     _ALL_PASSES,
@@ -55,6 +56,7 @@ from ._pass import (
     GradMessage,
     GradUpdate,
     Pass,
+    PassMessages,
     _Answer,
     _done_future,
     _pass_ids,
@@ -106,7 +108,8 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
         stale = ctx.pass_state
         if stale is not None:
             stale.fail(BackwardError("superseded by a new backward pass"))
-        current = Pass(ctx, (CONTAINER.worker_id, next(_pass_ids)), retain_graph, roots)
+        pass_id = (CONTAINER.worker_id, next(_pass_ids))
+        current = Pass(ctx, pass_id, retain_graph, roots, _MESSAGES)
         current.driver = queue.SimpleQueue()
         ctx.pass_state = current
         try:
@@ -191,7 +194,7 @@ def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> t
         return current, False
     if current is not None:
         current.fail(BackwardError("superseded by a new backward pass"))
-    joined = Pass(ctx, pass_id, retain, None)
+    joined = Pass(ctx, pass_id, retain, None, _MESSAGES)
     ctx.pass_state = joined
     try:
         joined.start()
@@ -263,6 +266,10 @@ def _late_grad_message(message: GradMessage) -> None:
         agent.schedule(lambda: _grad_message(message))
 
 
+#: what every pass sends its peers (``_pass`` is below this module: it is handed them)
+_MESSAGES = PassMessages(start=_start_message, grad=_grad_message, late_grad=_late_grad_message)
+
+
 def on_peer_failure(worker: int, error: Exception) -> None:
     """A peer was lost (the autograd layer's hook): fail the passes that wait on it and
     release the contexts it was this worker's only way to be told about."""
@@ -273,6 +280,4 @@ def on_peer_failure(worker: int, error: Exception) -> None:
         with current.ctx.lock:
             if not current.finished and current.waits_on(worker):
                 current.fail(error)
-    from ._cleanup import release_orphans  # (it imports this module)
-
     release_orphans(worker)

@@ -6,16 +6,14 @@ when an agent starts, fails the passes that wait on a lost peer and runs ``RRef.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
+from .._rpc._core._layer import LayerAgent
 from . import _cleanup, _engine
 from ._context import CONTAINER
 from ._recording import AutogradRecording
-
-if TYPE_CHECKING:
-    from .._rpc._core._agent import RpcAgent
 
 __all__ = ["AutogradLayer"]
 
@@ -32,10 +30,10 @@ class AutogradLayer(AutogradRecording):
         types[_cleanup._cleanup_message] = "CLEANUP_AUTOGRAD_CONTEXT_REQ"
         return types
 
-    def on_agent_start(self, agent: RpcAgent) -> None:
+    def on_agent_start(self, agent: LayerAgent) -> None:
         CONTAINER.init(agent.worker_info.id)
 
-    def on_peer_failure(self, agent: RpcAgent, worker: int, error: Exception) -> None:
+    def on_peer_failure(self, agent: LayerAgent, worker: int, error: Exception) -> None:
         _engine.on_peer_failure(worker, error)
 
     def backward(self, context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -90,6 +91,18 @@ class EngineRun(NamedTuple):
     last: bool
 
 
+class PassMessages(NamedTuple):
+    """The handlers of a pass's messages to its peers: the engine's (``_engine`` makes every
+    pass with them; this module is below it and never imports it)."""
+
+    #: ``(context_id, pass_id, retain, src)``: join a worker that gets no gradient message
+    start: Callable[..., Any]
+    #: a first gradient message to a worker (answered when that worker's part is done)
+    grad: Callable[..., Any]
+    #: a later one (one-way)
+    late_grad: Callable[..., Any]
+
+
 class _Answer:
     """For the driving thread: the answer to one of its first messages."""
 
@@ -143,8 +156,10 @@ class Pass:
         pass_id: tuple[int, int],
         retain_graph: bool,
         roots: list[torch.Tensor] | None,
+        messages: PassMessages,
     ) -> None:
         self.ctx = ctx
+        self.messages = messages
         self.pass_id = pass_id
         self.retain_graph = retain_graph
         self.roots = roots
@@ -204,14 +219,12 @@ class Pass:
         that is known to take part, gets nothing extra.)"""
         if self.finished:
             return
-        from ._engine import _start_message  # (the engine's handlers: it imports this module)
-
         for record in self.ctx.send_functions.values():
             worker = record.dst
             if worker != self.worker_id and worker not in self.in_touch:
                 self._message(
                     worker,
-                    _start_message,
+                    self.messages.start,
                     (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id),
                 )
 
@@ -318,9 +331,7 @@ class Pass:
         message = GradMessage(
             self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update
         )
-        from ._engine import _grad_message
-
-        self._message(record.src, _grad_message, (message,))
+        self._message(record.src, self.messages.grad, (message,))
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -350,10 +361,8 @@ class Pass:
             # covers, and waiting for it would add a round trip). A one-way message; a failure
             # there fails that worker's part, which reaches the caller of backward through its
             # own first message's answer; a lost peer is reported by the agent.
-            from ._engine import _grad_message, _late_grad_message
-
-            assert func is _grad_message  # START goes only to workers not in touch yet
-            agent.notify(worker, _late_grad_message, args)
+            assert func is self.messages.grad  # START goes only to workers not in touch yet
+            agent.notify(worker, self.messages.late_grad, args)
             return
         agent.call_internal(worker, func, args, self._on_answer)
         self.in_touch.add(worker)

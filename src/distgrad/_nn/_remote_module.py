@@ -21,7 +21,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .. import rpc
+from .._rpc._api import get_worker_info, remote, rpc_async, rpc_sync
+from .._rpc._core._agent import current_agent, require_agent
+from .._rpc._rrefs._rref import RRef
 from .._wire._pickler import register_reducer
 from ._remote_device import parse_remote_device
 
@@ -67,7 +69,7 @@ def _check_device(device: torch.device) -> None:
     """A clear error when the owner lacks the device (instead of torch's deep one from ``.to``)."""
     if device.type != "cuda":
         return
-    me = rpc.get_worker_info().name
+    me = get_worker_info().name
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"RemoteModule: worker {me} has no CUDA device (torch.cuda.is_available() is "
@@ -96,7 +98,7 @@ def _create_module(
 
 
 def _remote_forward(
-    module_rref: rpc.RRef[nn.Module],
+    module_rref: RRef[nn.Module],
     device: str,
     is_device_map_set: bool,
     *args: Any,
@@ -120,11 +122,11 @@ def _remote_forward(
     return out if is_device_map_set else tree_map(to_cpu, out)
 
 
-def _param_rrefs(module_rref: rpc.RRef[nn.Module], recurse: bool) -> list[rpc.RRef[nn.Parameter]]:
-    return [rpc.RRef(param) for param in module_rref.local_value().parameters(recurse)]
+def _param_rrefs(module_rref: RRef[nn.Module], recurse: bool) -> list[RRef[nn.Parameter]]:
+    return [RRef(param) for param in module_rref.local_value().parameters(recurse)]
 
 
-def _set_training(module_rref: rpc.RRef[nn.Module], mode: bool) -> None:
+def _set_training(module_rref: RRef[nn.Module], mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
@@ -191,7 +193,7 @@ class RemoteModule(nn.Module):
     device: str
     is_device_map_set: bool
     is_scriptable: bool
-    module_rref: rpc.RRef[nn.Module]
+    module_rref: RRef[nn.Module]
 
     def __init__(
         self,
@@ -203,7 +205,7 @@ class RemoteModule(nn.Module):
         super().__init__()
         self._prepare_init(remote_device)
         self.is_scriptable = False
-        self.module_rref = rpc.remote(
+        self.module_rref = remote(
             self.on,
             _create_module,
             (module_cls, tuple(args) if args is not None else (), dict(kwargs or {}), self.device),
@@ -214,7 +216,7 @@ class RemoteModule(nn.Module):
         register_reducer(cls, _reduce_remote_module)  # the pickler dispatches on exact types
 
     def _prepare_init(self, remote_device: str) -> None:
-        if not rpc._is_current_rpc_agent_set():
+        if not current_agent() is not None:
             raise AssertionError("RemoteModule only works in RPC.")
         on, device = parse_remote_device(remote_device)
         if on is None:
@@ -222,7 +224,7 @@ class RemoteModule(nn.Module):
                 f"remote_device {remote_device!r} names no worker: use "
                 "'<workername>/<device>' or 'rank:<rank>/<device>'"
             )
-        agent = rpc._get_current_rpc_agent()
+        agent = require_agent()
         worker = agent.get_worker_info(on)  # an unknown worker fails here, as the reference
         self.on = on
         self.device = str(device)
@@ -230,7 +232,7 @@ class RemoteModule(nn.Module):
 
     @staticmethod
     def init_from_module_rref(
-        remote_device: str, module_rref: rpc.RRef[nn.Module], _module_interface_cls: Any = None
+        remote_device: str, module_rref: RRef[nn.Module], _module_interface_cls: Any = None
     ) -> RemoteModule:
         """A RemoteModule for a module that already exists on its owner (torch's
         ``RemoteModule.init_from_module_rref``): several RemoteModules, on several workers,
@@ -289,7 +291,7 @@ class RemoteModule(nn.Module):
             fut = linear.forward_async(torch.randn(128, 20))
             out = fut.wait()
         """
-        return rpc.rpc_async(
+        return rpc_async(
             self.module_rref.owner(),
             _remote_forward,
             (self.module_rref, self.device, self.is_device_map_set, *args),
@@ -315,7 +317,7 @@ class RemoteModule(nn.Module):
         """
         return self.forward_async(*args, **kwargs).wait()
 
-    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef[nn.Parameter]]:
+    def remote_parameters(self, recurse: bool = True) -> list[RRef[nn.Parameter]]:
         """RRefs to the module's parameters, on its owner (for ``DistributedOptimizer``).
 
         Args:
@@ -328,9 +330,9 @@ class RemoteModule(nn.Module):
         Example:
             opt = DistributedOptimizer(torch.optim.SGD, linear.remote_parameters(), lr=0.05)
         """
-        return rpc.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))  # type: ignore[no-any-return]
+        return rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))  # type: ignore[no-any-return]
 
-    def get_module_rref(self) -> rpc.RRef[nn.Module]:
+    def get_module_rref(self) -> RRef[nn.Module]:
         """The RRef to the module on its owner.
 
         Returns:
@@ -353,7 +355,7 @@ class RemoteModule(nn.Module):
         """
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
-        rpc.rpc_sync(self.module_rref.owner(), _set_training, (self.module_rref, mode))
+        rpc_sync(self.module_rref.owner(), _set_training, (self.module_rref, mode))
         self.training = mode
         return self
 
@@ -434,7 +436,7 @@ def _rebuild_remote_module(
     is_device_map_set: bool,
     is_scriptable: bool,
     training: bool,
-    module_rref: rpc.RRef[nn.Module],
+    module_rref: RRef[nn.Module],
 ) -> RemoteModule:
     module: RemoteModule = object.__new__(cls)
     nn.Module.__init__(module)

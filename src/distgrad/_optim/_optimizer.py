@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-from .. import autograd as dist_autograd
-from .. import rpc
+from .._autograd._context import CONTAINER
 from .._autograd._hooks import GRAD_LOCK
+from .._rpc._api import rpc_async
+from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._rrefs._rref import RRef
 
 __all__ = ["DistributedOptimizer"]
 
@@ -38,7 +40,7 @@ class _LocalOptimizer:
     def __init__(
         self,
         optim_cls: type[torch.optim.Optimizer],
-        local_params_rref: list[rpc.RRef[torch.Tensor]],
+        local_params_rref: list[RRef[torch.Tensor]],
         *args: Any,
         **kwargs: Any,
     ) -> None:
@@ -55,7 +57,7 @@ class _LocalOptimizer:
         gradient left by an earlier step is never applied twice (the reference's functional
         path, its default for SGD, Adam, ..., skips such parameters too).
         """
-        grads = dist_autograd.get_gradients(autograd_ctx_id)
+        grads = CONTAINER.retrieve_context(autograd_ctx_id).gradients()
         with _LocalOptimizer.global_lock:
             for param in self._local_params:
                 if param not in grads:
@@ -67,16 +69,14 @@ class _LocalOptimizer:
 
 def _new_local_optimizer(
     optim_cls: type[torch.optim.Optimizer],
-    local_params_rref: list[rpc.RRef[torch.Tensor]],
+    local_params_rref: list[RRef[torch.Tensor]],
     *args: Any,
     **kwargs: Any,
-) -> rpc.RRef[_LocalOptimizer]:
-    return rpc.RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
+) -> RRef[_LocalOptimizer]:
+    return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
 
 
-def _local_optimizer_step(
-    local_optim_rref: rpc.RRef[_LocalOptimizer], autograd_ctx_id: int
-) -> None:
+def _local_optimizer_step(local_optim_rref: RRef[_LocalOptimizer], autograd_ctx_id: int) -> None:
     local_optim_rref.local_value().step(autograd_ctx_id)
 
 
@@ -151,21 +151,21 @@ class DistributedOptimizer:
     def __init__(
         self,
         optimizer_class: type[torch.optim.Optimizer],
-        params_rref: Iterable[rpc.RRef[Any]],
+        params_rref: Iterable[RRef[Any]],
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        per_worker: dict[rpc.WorkerInfo, list[rpc.RRef[Any]]] = {}
+        per_worker: dict[WorkerInfo, list[RRef[Any]]] = {}
         for param in params_rref:
             per_worker.setdefault(param.owner(), []).append(param)
         self.optimizer_class = optimizer_class
         futures = [
-            rpc.rpc_async(
+            rpc_async(
                 worker, _new_local_optimizer, args=(optimizer_class, rrefs, *args), kwargs=kwargs
             )
             for worker, rrefs in per_worker.items()
         ]
-        self.remote_optimizers: list[rpc.RRef[_LocalOptimizer]] = _wait_for_all(futures)
+        self.remote_optimizers: list[RRef[_LocalOptimizer]] = _wait_for_all(futures)
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id`` (torch's
@@ -191,9 +191,9 @@ class DistributedOptimizer:
             # on the trainer, after dist_autograd.backward(context_id, [loss]):
             opt.step(context_id)
         """
-        dist_autograd._is_valid_context(context_id)
+        CONTAINER.retrieve_context(context_id)  # raises for an unknown context
         futures = [
-            rpc.rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))
+            rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))
             for optimizer in self.remote_optimizers
         ]
         _wait_for_all(futures)

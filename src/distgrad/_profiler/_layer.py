@@ -9,16 +9,12 @@ patches nothing in torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from .._rpc._core._layer import RpcLayer, register_layer
-from .._rpc._core._profiling import KeyScope
+from .._rpc._core._layer import KeyScope, LayerAgent, RpcLayer, register_layer
 from .._rpc._core._worker_info import WorkerInfo
 from . import _callee, _caller, _torch_hooks
 from ._keys import build_rpc_profiling_key, func_name
-
-if TYPE_CHECKING:
-    from .._rpc._core._agent import RpcAgent
 
 __all__ = ["ProfilingLayer", "register"]
 
@@ -39,7 +35,7 @@ class ProfilingLayer(RpcLayer):
         key = build_rpc_profiling_key(kind, func_name(func), me.name, dst.name)
         return _caller.ProfiledKeyScope(key)
 
-    def on_agent_start(self, agent: RpcAgent) -> None:
+    def on_agent_start(self, agent: LayerAgent) -> None:
         _torch_hooks.install()
 
 

@@ -12,15 +12,13 @@ from typing import Any, TypeVar, cast
 import torch
 
 from .. import _config
-from ._core._agent import RpcAgent
+from ._core._agent import RpcAgent, require_agent
 from ._core._calls import is_builtin
-from ._core._current import require_agent
 from ._core._torchscript import as_rpc_target
 from ._core._worker_info import WorkerInfo
 from ._group._init import init_rpc, init_rpc_backend
 from ._group._shutdown import shutdown
-from ._rrefs._remote import create_remote
-from ._rrefs._rref import RRef
+from ._rrefs._rref import RRef, create_remote
 
 __all__ = [
     "get_rpc_timeout",

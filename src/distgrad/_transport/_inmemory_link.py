@@ -1,6 +1,7 @@
 """One link of the in-memory transport (:class:`MemoryLink`): a frame's bytes copied at send time
 and parsed on the receiver's I/O thread, as a socket connection's; its end seen by the other
-side as an end of stream. The transport and the network are ``_inmemory``'s."""
+side as an end of stream. The transport and the network are ``_inmemory``'s (above this module:
+a link knows its transport only as a :class:`LinkOwner`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,44 @@ import logging
 import pickle
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from .._errors import PeerFailureError, ProtocolError
 from .._wire._frames import Frame, FrameParser, Kind, encode_frame
-from ._base import (
-    MessageInfo,
-)
+from ._base import FrameHandler, MessageInfo, TransportConfig
+from ._io import IoThread
 
-if TYPE_CHECKING:
-    from ._inmemory import MemoryTransport
+__all__ = ["LinkOwner", "MemoryLink"]
 
-__all__ = ["MemoryLink"]
+
+class LinkOwner(Protocol):
+    """What a link uses of its transport (``_inmemory.MemoryTransport``)."""
+
+    @property
+    def config(self) -> TransportConfig: ...
+
+    @property
+    def io(self) -> IoThread: ...
+
+    @property
+    def handler(self) -> FrameHandler: ...
+
+    @property
+    def paused(self) -> bool:
+        """Frozen (fault injection): what the link sends or receives waits in :meth:`hold`."""
+        ...
+
+    def hold(self, incoming: bool, fn: Callable[..., None], *args: object) -> bool:
+        """While paused, keep ``fn(*args)`` for the resume; False when not paused."""
+        ...
+
+    def is_current(self, link: MemoryLink) -> bool:
+        """Whether ``link`` is still its transport's link to that peer."""
+        ...
+
+    def _on_closed(self, link: MemoryLink, error: Exception | None) -> None: ...
+
 
 _log = logging.getLogger("distgrad.transport")
 
@@ -27,7 +54,7 @@ _log = logging.getLogger("distgrad.transport")
 class MemoryLink:
     """One end of an in-memory connection; ``send_frame`` from any thread."""
 
-    def __init__(self, transport: MemoryTransport, peer: int, peer_label: str) -> None:
+    def __init__(self, transport: LinkOwner, peer: int, peer_label: str) -> None:
         self.peer = peer
         self.peer_label = peer_label
         #: the incarnation of the peer's agent this link was opened with (0: unknown)

@@ -4,16 +4,13 @@ with their buffers copied, as if they had crossed a socket)."""
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from .._errors import RpcShutdownError
 from .._wire._frames import HEADER, Frame, encode_frame
 from .._wire._pickler import allocate_buffer
 from ._base import MessageInfo
 from ._connection import Piece
-
-if TYPE_CHECKING:
-    from ._transport import SocketTransport
 
 __all__ = ["LoopbackConnection"]
 
@@ -30,10 +27,12 @@ class LoopbackConnection:
     def close(self, error: Exception | None = None) -> None:
         self.closed = True
 
-    def __init__(self, transport: SocketTransport, rank: int, label: str) -> None:
+    def __init__(
+        self, deliver: Callable[[LoopbackConnection, Frame], None], rank: int, label: str
+    ) -> None:
         self.peer = rank
         self.peer_label = label
-        self._transport = transport
+        self._deliver = deliver  # the transport's: hands a frame to the agent
 
     def send_frame(
         self,
@@ -72,4 +71,4 @@ class LoopbackConnection:
             copy = allocate_buffer(len(piece))
             copy[:] = piece
             buffers.append(copy)
-        self._transport.deliver(self, Frame(kind, message_id, meta, buffers, flags))
+        self._deliver(self, Frame(kind, message_id, meta, buffers, flags))

@@ -250,7 +250,7 @@ class SocketTransport(Accepting, Dialing):
             if conn is not None and not conn.closed:
                 return conn
             if rank == self.config.rank:
-                conn = LoopbackConnection(self, rank, self._label(rank))
+                conn = LoopbackConnection(self.deliver, rank, self._label(rank))
             else:
                 conn = self._open(rank)
             self._out[rank] = conn

@@ -30,6 +30,7 @@ from .._rpc._api import (
     shutdown,
 )
 from .._rpc._core import _options as _options_impl
+from .._rpc._core._events import MembershipEvent
 from .._rpc._core._options import (
     BackendValue,
     RpcBackendOptions,
@@ -41,9 +42,9 @@ from .._rpc._core._options import (
 from .._rpc._core._remote_error import RemoteTraceback
 from .._rpc._core._statistics import AgentState, AgentStatistics, PeerStatistics
 from .._rpc._core._worker_info import WorkerInfo
-from .._rpc._group._events import MembershipEvent
 from .._rpc._group._membership import add_membership_listener, members, remove_membership_listener
 from .._rpc._rrefs._rref import RRef
+from .._rpc._rrefs._rref_context import context_of as _context_of
 from . import api, backend_registry, constants, functions
 
 __all__ = [
@@ -95,7 +96,7 @@ PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
 
 def _rref_context_get_debug_info() -> dict[str, str]:
     """RRef table sizes of this worker (values are strings, as the reference's)."""
-    return _get_current_rpc_agent().rrefs.debug_info()
+    return _context_of(_get_current_rpc_agent()).debug_info()
 
 
 @_api_impl._require_initialized

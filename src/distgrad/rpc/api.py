@@ -13,6 +13,7 @@ from .._rpc._core._agent import RpcAgent as _RpcAgent
 from .._rpc._core._agent import current_agent as _current_agent
 from .._rpc._group import _collectives
 from .._rpc._rrefs._rref import RRef
+from .._rpc._rrefs._rref_context import context_of
 
 __all__ = ["RRef", "get_worker_info", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown"]
 
@@ -46,4 +47,4 @@ def _delete_all_user_and_unforked_owner_rrefs(timeout: float = 60.0) -> None:
     """Tell owners that every UserRRef here is gone and wait for this worker's owned RRefs to
     lose their users (what graceful shutdown does; seconds)."""
     agent = _api_impl._agent()
-    agent.rrefs.delete_all_users(timeout)
+    context_of(agent).delete_all_users(timeout)

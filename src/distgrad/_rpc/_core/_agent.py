@@ -6,7 +6,9 @@
   stopping completes or fails it;
 * ``_serving``: a request is decoded, waits for the confirmations of the RRefs it carries,
   runs and is answered; notifications run their handlers;
-* ``_current``: which agent a thread belongs to.
+* ``_current``: which agent a thread belongs to (the storage; the typed accessors
+  :func:`current_agent`, :func:`require_agent`, :func:`bind_thread` and
+  :func:`set_current_agent` are here).
 
 This module starts and stops them, knows the workers, and routes what the transport
 delivers (:meth:`RpcAgent.on_frame`, :meth:`RpcAgent.on_connection_lost`).
@@ -60,12 +62,11 @@ from ..._transport._base import (
 )
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
-from .._group._events import MembershipEvent, MembershipKind
-from .._rrefs._rref_context import RRefContext
-from . import _layer
+from . import _current, _layer
 from ._call_table import CallTable
 from ._codec import Codec
-from ._current import bind_thread, current_agent, set_current_agent, thread_binding
+from ._current import thread_binding
+from ._events import MembershipEvent, MembershipKind
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
 from ._pool import ThreadPool
@@ -75,7 +76,45 @@ from ._worker_info import WorkerInfo
 
 _log = logging.getLogger("distgrad.rpc")
 
-__all__ = ["RpcAgent", "bind_thread", "current_agent", "set_current_agent", "thread_binding"]
+__all__ = [
+    "RpcAgent",
+    "bind_thread",
+    "current_agent",
+    "require_agent",
+    "set_current_agent",
+    "thread_binding",
+]
+
+
+def current_agent() -> RpcAgent | None:
+    """The agent of the calling thread: the one it is bound to (in-memory worlds), else the
+    process's (``init_rpc``)."""
+    agent: RpcAgent | None = thread_binding.agent
+    if agent is None:
+        agent = _current.process
+    return agent
+
+
+def require_agent() -> RpcAgent:
+    """The calling thread's agent, or torch's error when RPC is not initialized."""
+    agent = current_agent()
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
+        )
+    return agent
+
+
+def bind_thread(agent: RpcAgent | None) -> RpcAgent | None:
+    """Make ``agent`` the calling thread's agent (``None``: unbind); returns the previous one."""
+    previous: RpcAgent | None = thread_binding.agent
+    thread_binding.agent = agent
+    return previous
+
+
+def set_current_agent(agent: RpcAgent | None) -> None:
+    """Make ``agent`` the process's agent (``init_rpc``; ``None`` at shutdown)."""
+    _current.process = agent
 
 
 class RpcAgent(Outgoing, Serving):
@@ -113,7 +152,8 @@ class RpcAgent(Outgoing, Serving):
         self.rpc_timeout = options.rpc_timeout
         self.isolated = isolated
         bind = self._bind_thread if isolated else None
-        #: per-worker state of the layers above, for isolated agents (keyed by the layer's key)
+        #: per-worker state of the layers above (keyed by the layer's key): RRefs keep their
+        #: tables here; autograd its contexts, for isolated agents
         self.layer_state: dict[object, object] = {}
         self._io = IoThread(on_start=bind)
         self._transport_factory = transport
@@ -132,9 +172,7 @@ class RpcAgent(Outgoing, Serving):
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
-        self.rrefs = RRefContext(self)
         self._codec = Codec(options, self._by_rank, self._label)
-        self.rref_leaks: list[Any] = []  # forks still registered when the agent stopped
 
     def _bind_thread(self) -> None:
         bind_thread(self)
@@ -375,5 +413,5 @@ class RpcAgent(Outgoing, Serving):
         self._callbacks.stop()
         self._io.stop()
         self.keepalive.clear()
-        self.rref_leaks = self.rrefs.destroy()
+        _layer.agent_stopped(self)
         self.state = AgentState.STOPPED

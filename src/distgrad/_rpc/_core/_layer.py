@@ -15,15 +15,23 @@ A layer plays up to two *roles* on the call path, each held by at most one layer
   runs ``RRef.backward(context_id)`` on the owner;
 * **profiles calls** (:attr:`RpcLayer.profiles_calls`, ``distgrad.profiler``): while torch's
   profiler is on, it makes the call itself through the agent and serves the callee's side
-  (see ``_profiling``).
+  (see ``_profiling``);
+* **tracks references** (:attr:`RpcLayer.tracks_references`, RRefs, ``_rrefs._layer``): it
+  collects the references unpickled with a request, the agent runs the request's function only
+  once they are usable, and a request that fails before its function runs may be answered by
+  it (a ``remote()`` creation's error becomes the value's).
+
+Layers see the agent through :class:`LayerAgent`, the little of it that every agent offers
+them; a layer that needs more (RRefs) is above the agent and may import it.
 
 When no layer holds a role, the call path pays one ``None`` check for it. Lifecycle hooks --
 :meth:`~RpcLayer.on_agent_start`, :meth:`~RpcLayer.on_peer_failure`,
-:meth:`~RpcLayer.on_shutdown` -- run for every layer, in registration order. A layer that
-raises in ``on_agent_start`` or ``on_shutdown`` fails the start or the shutdown with a
-``RuntimeError`` naming it (the cause chained); one that raises in ``on_peer_failure`` is
-logged and the other layers still hear of the failure. Exceptions from the call-path hooks
-are the call's: the call fails with them, as it would if the function had raised.
+:meth:`~RpcLayer.on_shutdown`, :meth:`~RpcLayer.on_agent_stop` -- run for every layer, in
+registration order. A layer that raises in ``on_agent_start`` or ``on_shutdown`` fails the
+start or the shutdown with a ``RuntimeError`` naming it (the cause chained); one that raises in
+``on_peer_failure`` or ``on_agent_stop`` is logged and the other layers still run. Exceptions
+from the call-path hooks are the call's: the call fails with them, as it would if the function
+had raised.
 """
 
 from __future__ import annotations
@@ -32,20 +40,18 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from ._current import current_agent
+from . import _current
 from ._messages import register_message_type
-
-if TYPE_CHECKING:
-    from ._agent import RpcAgent
-    from ._profiling import KeyScope
-    from ._worker_info import WorkerInfo
+from ._worker_info import WorkerInfo
 
 __all__ = [
     "CallRecord",
+    "KeyScope",
+    "LayerAgent",
     "RpcLayer",
     "call_profiler",
     "call_recorder",
@@ -71,6 +77,30 @@ class CallRecord(NamedTuple):
     from_worker: int
 
 
+class LayerAgent(Protocol):
+    """What a layer's lifecycle hooks may use of the agent they are given (``_agent.RpcAgent``
+    is one; the RPC core hands its layers nothing more, so this module needs no import of it)."""
+
+    @property
+    def worker_info(self) -> WorkerInfo: ...
+
+    @property
+    def layer_state(self) -> dict[object, object]:
+        """Per-agent state of the layers above, keyed by each layer's own key."""
+        ...
+
+
+class KeyScope(AbstractContextManager["KeyScope"]):
+    """What :meth:`RpcLayer.key_scope` returns; this base class is the no-op used when not
+    profiling (see ``_profiling``)."""
+
+    def end_on(self, future: torch.futures.Future[Any]) -> None:
+        """End the scope's range when ``future`` completes instead of at block exit."""
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 class RpcLayer:
     """A layer above RPC. Subclasses set :attr:`name`, override the hooks they need and
     claim a role by setting :attr:`records_calls` or :attr:`profiles_calls`."""
@@ -82,6 +112,9 @@ class RpcLayer:
     records_calls: ClassVar[bool] = False
     #: This layer profiles calls (the ``call_*`` / ``serve*`` / ``key_scope`` hooks are called).
     profiles_calls: ClassVar[bool] = False
+    #: This layer tracks references (the ``*_collecting`` / ``wait_usable`` / ``fail_unrun``
+    #: hooks are called).
+    tracks_references: ClassVar[bool] = False
 
     # -- lifecycle (every layer) -----------------------------------------------------------------
     def message_types(self) -> Mapping[object, str]:
@@ -89,15 +122,18 @@ class RpcLayer:
         (what the fault injector and the profiler see). Registered with the layer."""
         return {}
 
-    def on_agent_start(self, agent: RpcAgent) -> None:
+    def on_agent_start(self, agent: LayerAgent) -> None:
         """An agent is starting (before it listens), on a thread bound to it; also called for
         the running agent when the layer is registered after ``init_rpc``."""
 
-    def on_peer_failure(self, agent: RpcAgent, worker: int, error: Exception) -> None:
+    def on_peer_failure(self, agent: LayerAgent, worker: int, error: Exception) -> None:
         """Callback pool: ``worker`` died or left; ``error`` is what waits on it fail with."""
 
-    def on_shutdown(self, agent: RpcAgent) -> None:
+    def on_shutdown(self, agent: LayerAgent) -> None:
         """A graceful ``shutdown()``: every worker reached it; RRef users are deleted next."""
+
+    def on_agent_stop(self, agent: LayerAgent) -> None:
+        """The agent stopped (gracefully or not): its threads ended, every call failed."""
 
     # -- records calls -------------------------------------------------------------------------
     # A callee's *state* for a request is the id of the context its function runs in
@@ -143,6 +179,26 @@ class RpcLayer:
     def backward(self, context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         """``RRef.backward(context_id)`` on the owner: the distributed backward pass."""
         raise RuntimeError(f"RPC layer {self.name!r} cannot run a distributed backward pass")
+
+    # -- tracks references ----------------------------------------------------------------------
+    def start_collecting(self) -> object:
+        """Worker thread, before a request is unpickled: collect the references it carries
+        from now on; returns what :meth:`stop_collecting` restores."""
+        return None
+
+    def stop_collecting(self, previous: object) -> list[Any]:
+        """Worker thread, after the request was unpickled (or failed to be): the references
+        collected since :meth:`start_collecting` that are not usable yet."""
+        return []
+
+    def wait_usable(self, collected: list[Any], timeout: float | None) -> None:
+        """Worker thread (its pool slot freed): wait until ``collected`` are usable, or raise
+        why they never will be (an ``RpcTimeoutError`` after ``timeout`` seconds)."""
+
+    def fail_unrun(self, agent: LayerAgent, error: BaseException) -> bool:
+        """Worker thread: the request being served failed with ``error`` before its function
+        ran. True if the layer took the error (the request is then answered, not failed)."""
+        return False
 
     # -- profiles calls ------------------------------------------------------------------------
     def call_sync(
@@ -209,6 +265,7 @@ _lock = threading.Lock()
 _layers: tuple[RpcLayer, ...] = ()
 _recorder: RpcLayer | None = None
 _profiler: RpcLayer | None = None
+_references: RpcLayer | None = None
 
 
 def _holder(role: str, candidates: tuple[RpcLayer, ...]) -> RpcLayer | None:
@@ -220,10 +277,11 @@ def _holder(role: str, candidates: tuple[RpcLayer, ...]) -> RpcLayer | None:
 
 
 def _install(new: tuple[RpcLayer, ...]) -> None:
-    global _layers, _recorder, _profiler
+    global _layers, _recorder, _profiler, _references
     recorder = _holder("records_calls", new)
     profiler = _holder("profiles_calls", new)
-    _layers, _recorder, _profiler = new, recorder, profiler
+    references = _holder("tracks_references", new)
+    _layers, _recorder, _profiler, _references = new, recorder, profiler, references
 
 
 def register_layer(layer: RpcLayer) -> None:
@@ -249,7 +307,7 @@ def register_layer(layer: RpcLayer) -> None:
         _install(new)
         for func, type_name in layer.message_types().items():
             register_message_type(func, type_name)
-    agent = current_agent()
+    agent: LayerAgent | None = _current.current()
     if agent is not None:
         _start(layer, agent)
 
@@ -279,8 +337,13 @@ def call_profiler() -> RpcLayer | None:
     return _profiler
 
 
+def reference_tracker() -> RpcLayer | None:
+    """The layer that tracks references, if any."""
+    return _references
+
+
 # -- lifecycle dispatch (the agent and the public API call these) ---------------------------------
-def _start(layer: RpcLayer, agent: RpcAgent) -> None:
+def _start(layer: RpcLayer, agent: LayerAgent) -> None:
     try:
         layer.on_agent_start(agent)
     except Exception as exc:
@@ -289,13 +352,13 @@ def _start(layer: RpcLayer, agent: RpcAgent) -> None:
         ) from exc
 
 
-def agent_starting(agent: RpcAgent) -> None:
+def agent_starting(agent: LayerAgent) -> None:
     """Every layer's :meth:`~RpcLayer.on_agent_start`, in order."""
     for layer in _layers:
         _start(layer, agent)
 
 
-def peer_failed(agent: RpcAgent, worker: int, error: Exception) -> None:
+def peer_failed(agent: LayerAgent, worker: int, error: Exception) -> None:
     """Every layer's :meth:`~RpcLayer.on_peer_failure`; one that raises is logged."""
     for layer in _layers:
         try:
@@ -304,10 +367,19 @@ def peer_failed(agent: RpcAgent, worker: int, error: Exception) -> None:
             _log.exception("RPC layer %r failed on the failure of worker %d", layer.name, worker)
 
 
-def shutting_down(agent: RpcAgent) -> None:
+def shutting_down(agent: LayerAgent) -> None:
     """Every layer's :meth:`~RpcLayer.on_shutdown`, in order (a graceful shutdown)."""
     for layer in _layers:
         try:
             layer.on_shutdown(agent)
         except Exception as exc:
             raise RuntimeError(f"RPC layer {layer.name!r} failed to shut down: {exc!r}") from exc
+
+
+def agent_stopped(agent: LayerAgent) -> None:
+    """Every layer's :meth:`~RpcLayer.on_agent_stop`; one that raises is logged."""
+    for layer in _layers:
+        try:
+            layer.on_agent_stop(agent)
+        except Exception:
+            _log.exception("RPC layer %r failed when %s stopped", layer.name, agent.worker_info)

@@ -23,14 +23,13 @@ remote events.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from . import _layer
 from ._functions import async_execution
-from ._layer import RpcLayer
+from ._layer import KeyScope, RpcLayer
 from ._messages import message_type
 from ._worker_info import WorkerInfo
 
@@ -38,16 +37,6 @@ __all__ = ["KeyScope", "call_async", "call_sync", "key_scope", "serve", "serve_a
 
 _autograd: Any = torch.autograd
 _profiler_enabled: Callable[[], bool] = _autograd._profiler_enabled
-
-
-class KeyScope(AbstractContextManager["KeyScope"]):
-    """What :func:`key_scope` returns; this base class is the no-op used when not profiling."""
-
-    def end_on(self, future: torch.futures.Future[Any]) -> None:
-        """End the scope's range when ``future`` completes instead of at block exit."""
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 _NO_SCOPE = KeyScope()

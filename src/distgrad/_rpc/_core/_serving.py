@@ -1,7 +1,8 @@
 """The serving stages of the agent: a request arrives (I/O thread) and goes to the worker pool,
-where it is decoded, waits until the owners confirmed the RRefs in its arguments, runs, and is
-answered (its result encoded as a response, or its error as an error reply); a one-way
-notification runs its handler where it is marked to.
+where it is decoded, waits until the references in its arguments are usable (the layer that
+tracks references, RRefs, says which and when; see ``_layer``), runs, and is answered (its
+result encoded as a response, or its error as an error reply); a one-way notification runs its
+handler where it is marked to.
 
 :class:`Serving` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
 declares are the agent's."""
@@ -12,17 +13,15 @@ import contextlib
 import logging
 import pickle
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..._errors import DistgradError, RpcShutdownError, RpcTimeoutError, rpc_timeout_message
+from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import Link, MessageInfo
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, dumps, encode, loads
-from .._rrefs._rref_context import RRefContext
-from . import _extension
+from . import _extension, _layer
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
 from ._messages import describe_request, describe_response
@@ -42,7 +41,7 @@ class Serving:
 
     worker_info: WorkerInfo
     rpc_timeout: float
-    rrefs: RRefContext
+    layer_state: dict[object, object]
     _describe: bool
     _codec: Codec
     _active_lock: threading.Lock
@@ -92,7 +91,7 @@ class Serving:
         except BaseException:
             _log.exception("unhandled error in the notification handler %r", func)
 
-    # -- serve: decode -> wait for RRef confirmations -> run -> reply (worker threads) -----------
+    # -- serve: decode -> wait until its references are usable -> run -> reply (worker threads) --
     def _serve(self, conn: Link, frame: Frame) -> None:
         size = len(frame.meta)
         if frame.buffers:
@@ -107,7 +106,8 @@ class Serving:
             states.append(state)
             return tensors
 
-        previous = RRefContext.start_collecting()
+        references = _layer._references  # (the registry's field: no call on the call path)
+        previous = references.start_collecting() if references is not None else None
         try:
             _ext, (func, args, kwargs) = decode(
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
@@ -122,20 +122,23 @@ class Serving:
         else:
             unrun = None
         finally:
-            unconfirmed = RRefContext.stop_collecting(previous)
+            collected = references.stop_collecting(previous) if references is not None else None
         if self._describe and unrun is None:  # replies go out described (fault injection)
             wrapped = bool(states) and states[0] is not None
             conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
-        if unrun is None and unconfirmed:  # RRefs in the arguments: run once owners know them
+        if unrun is None and collected:  # RRefs in the arguments: run once owners know them
+            assert references is not None
             try:
-                self._wait_confirmed(unconfirmed)
+                timeout = self.rpc_timeout if self.rpc_timeout > 0 else None
+                with self.blocking():
+                    references.wait_usable(collected, timeout)
             except BaseException as exc:
                 unrun = exc
         if unrun is not None:
             # Failed before the function ran. A remote() creation's error is its value's (as
             # if the function had raised it), and the creation is answered: a to_here()
             # already on its way raises it instead of waiting for a value never set.
-            if self.rrefs.fail_creation(unrun):
+            if references is not None and references.fail_unrun(self, unrun):
                 self._reply(conn, frame.message_id, None, None)
             else:
                 self._reply_error(conn, frame.message_id, unrun)
@@ -168,18 +171,6 @@ class Serving:
             self._reply_error(conn, frame.message_id, exc, builtin=builtin)
             return
         self._reply(conn, frame.message_id, result, state)
-
-    def _wait_confirmed(self, users: list[Any]) -> None:
-        """Wait until the owners confirmed the UserRRefs received in a request (the reference
-        runs no user function before that), or raise why they never will be."""
-        timeout = self.rpc_timeout if self.rpc_timeout > 0 else None
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        with self.blocking():
-            for rref in users:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not rref._settled.wait(left):
-                    raise RpcTimeoutError(rpc_timeout_message(self.rpc_timeout))
-                rref._check_usable()
 
     def _serve_async(
         self,

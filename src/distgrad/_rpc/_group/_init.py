@@ -26,11 +26,15 @@ from .._core._options import (
     is_backend_type,
 )
 from .._core._worker_info import validate_worker_name
+from .._rrefs import _layer as _rref_layer
 from . import _dynamic, _rendezvous
 from ._shutdown import _register_exit_hook
 
 __all__ = ["init_rpc", "init_rpc_backend"]
 
+# RRefs are a layer over the agent (the agent core imports nothing of them): the module that
+# starts agents plugs them in, before any agent starts.
+_rref_layer.register()
 
 _init_lock = threading.Lock()
 _init_counter = itertools.count()

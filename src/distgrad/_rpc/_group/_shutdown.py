@@ -12,8 +12,8 @@ import time
 from ... import _config
 from ..._errors import RpcTimeoutError
 from .._core import _layer
-from .._core._agent import RpcAgent, current_agent, set_current_agent
-from .._core._current import require_agent
+from .._core._agent import RpcAgent, current_agent, require_agent, set_current_agent
+from .._rrefs._rref_context import context_of, leaks_of
 from . import _collectives, _dynamic
 
 __all__ = ["shutdown"]
@@ -101,7 +101,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
 
             _collectives.all_gather_survivors(None, remaining())
             _layer.shutting_down(agent)
-            agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
+            context_of(agent).delete_all_users(_rref_drain_timeout(agent, deadline))
             while True:
                 agent.wait_until_idle(deadline)
                 counts = _collectives.all_gather_survivors(agent.active_calls(), remaining())
@@ -121,7 +121,7 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
             deadline = time.monotonic() + timeout if timeout > 0 else None
             agent.wait_until_idle(deadline)
             _layer.shutting_down(agent)
-            agent.rrefs.delete_all_users(_rref_drain_timeout(agent, deadline))
+            context_of(agent).delete_all_users(_rref_drain_timeout(agent, deadline))
             budget = (
                 max(deadline - time.monotonic(), 0.1) if deadline is not None else agent.rpc_timeout
             )
@@ -152,10 +152,11 @@ def _check_rref_leaks(agent: RpcAgent) -> None:
     # ``rpc.api._ignore_rref_leak`` (default True), as in the reference: users set it on the
     # public module, so it is read from there.
     public = sys.modules.get("distgrad.rpc.api")
-    if getattr(public, "_ignore_rref_leak", True) or not agent.rref_leaks:
+    leaks = leaks_of(agent)
+    if getattr(public, "_ignore_rref_leak", True) or not leaks:
         return
-    rref_id, fork_id = agent.rref_leaks[0]
+    rref_id, fork_id = leaks[0]
     raise RuntimeError(
         f"Leaking RRef {rref_id} with fork Id {fork_id}\n"
-        f"({len(agent.rref_leaks)} forks were still registered at shutdown)"
+        f"({len(leaks)} forks were still registered at shutdown)"
     )

@@ -27,13 +27,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .._core._agent import RpcAgent, bind_thread, current_agent
 from .._core._functions import on_io_thread
 from .._core._messages import describe_request, function_name, message_type
-
-if TYPE_CHECKING:
-    from .._core._agent import RpcAgent
 
 __all__ = ["Outbox", "outbox_of"]
 
@@ -122,8 +120,6 @@ class Outbox:
             self._timer.start()
 
     def _resend_loop(self) -> None:
-        from .._core._agent import bind_thread  # (the agent imports this module)
-
         agent = self._agent()
         if agent is None:
             return
@@ -247,8 +243,6 @@ def _reliable_notice(
     """On the receiver: notice number ``seq`` of worker ``src`` (its ``src_incarnation``), meant
     for ``dst_incarnation`` of this worker (0: whichever). I/O thread: the handlers of reliable
     notices are quick and never block."""
-    from .._core._agent import current_agent
-
     agent = current_agent()
     if agent is not None:
         outbox_of(agent).received(src, src_incarnation, dst_incarnation, seq, func, args)
@@ -258,8 +252,6 @@ def _reliable_notice(
 @on_io_thread
 def _reliable_ack(src: int, incarnation: int, upto: int) -> None:
     """On the sender: ``src`` ran every notice of this worker's ``incarnation`` up to ``upto``."""
-    from .._core._agent import current_agent
-
     agent = current_agent()
     if agent is not None:
         outbox_of(agent).acknowledged(src, incarnation, upto)

@@ -1,8 +1,10 @@
-"""``rpc.remote()``: an RRef at once, its value created on the owner (SPEC 1.1, 4.1).
+"""``rpc.remote()``'s creation call, both ends (SPEC 1.1, 4.1).
 
-The caller makes the RRef (a user, pending until the owner confirms it; or, for a call to self,
-the owner's handle) and sends ``_remote_exec`` to the owner, which registers the caller's fork,
-runs the function and answers once the value -- or the error, which is the value's -- is set.
+The caller makes the RRef (``_rref.create_remote``: a user, pending until the owner confirms
+it; or, for a call to self, the owner's handle) and sends ``_remote_exec`` to the owner
+(:func:`creation_call`), which registers the caller's fork, runs the function and answers once
+the value -- or the error, which is the value's -- is set; :func:`after_creation` records the
+outcome on the caller's RRef.
 """
 
 from __future__ import annotations
@@ -20,64 +22,74 @@ from .._core._functions import async_execution
 from .._core._messages import is_script, message_type
 from .._core._remote_error import report_udf_error
 from .._core._worker_info import WorkerInfo
-from ._rref import RRef
-from ._rref_context import OwnerValue, RemoteCreation
+from ._rref_context import GloballyUniqueId, OwnerValue, RemoteCreation, RRefContext, context_of
 from ._rref_owner import _agent_or_raise, _done_future
+from ._rref_values import UserHandle
 
-__all__ = ["create_remote"]
+__all__ = ["create_here", "create_there"]
+
+#: ``(func, args, kwargs)`` of a ``remote()`` call
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def create_remote(
+def create_here(
     agent: RpcAgent,
+    ctx: RRefContext,
     dst: WorkerInfo,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    rref_id: GloballyUniqueId,
+    value: OwnerValue,
+    call: Call,
     timeout: float,
     force: bool,
-) -> RRef[Any]:
-    """``rpc.remote``: an RRef at once; the value is created on ``dst``."""
-    ctx = agent.rrefs
-    rref_id = ctx.new_id()
-    if dst.id == ctx.worker_id:
-        # The owner is here: its handle now, the value from a real call to self. The call's
-        # own fork (the RRef id) keeps the value registered until the call is done.
-        value = OwnerValue()
-        ctx.keep_owner(rref_id, value)
-        ctx.add_fork(rref_id, rref_id)
-        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
-        call_args = (RemoteCreation(rref_id, rref_id), func, args, kwargs)
-        try:
-            future = _create_call(agent, dst, func, call_args, timeout, force)
-        except BaseException:
-            ctx.del_forks([(rref_id, rref_id)])
-            raise
-
-        def created_here(error: BaseException | None) -> None:
-            if isinstance(error, (RpcTimeoutError, InjectedFailureError)):  # as torch does
-                value.timed_out = True
-            elif error is not None:
-                value.set_error(error)
-            ctx.del_forks([(rref_id, rref_id)])
-
-        rref._creation = _after(future, created_here)
-        return rref
-    fork_id = ctx.new_id()
-    rref = RRef._new_user(ctx, rref_id, fork_id, dst)
-    rref._script = is_script(func)
-    ctx.add_pending_user(fork_id, rref)
-    creation = RemoteCreation(rref_id, fork_id)
+) -> torch.futures.Future[Any]:
+    """``remote()`` to this worker itself: the owner's handle is made at once, the value by a
+    real call to self. The call's own fork (the RRef id) keeps the value registered until the
+    call is done. Returns the creation future of the RRef."""
+    ctx.keep_owner(rref_id, value)
+    ctx.add_fork(rref_id, rref_id)
+    func = call[0]
     try:
-        future = _create_call(agent, dst, func, (creation, func, args, kwargs), timeout, force)
+        future = creation_call(
+            agent, dst, func, (RemoteCreation(rref_id, rref_id), *call), timeout, force
+        )
+    except BaseException:
+        ctx.del_forks([(rref_id, rref_id)])
+        raise
+
+    def created_here(error: BaseException | None) -> None:
+        if isinstance(error, (RpcTimeoutError, InjectedFailureError)):  # as torch does
+            value.timed_out = True
+        elif error is not None:
+            value.set_error(error)
+        ctx.del_forks([(rref_id, rref_id)])
+
+    return after_creation(future, created_here)
+
+
+def create_there(
+    agent: RpcAgent,
+    ctx: RRefContext,
+    dst: WorkerInfo,
+    rref: UserHandle,
+    call: Call,
+    timeout: float,
+    force: bool,
+) -> torch.futures.Future[Any]:
+    """``remote()`` to another worker: the user ``rref`` is pending until the owner confirms
+    it (its creation call's answer). Returns the creation future of the RRef."""
+    fork_id = rref._fork_id
+    assert fork_id is not None
+    ctx.add_pending_user(fork_id, rref)
+    creation = RemoteCreation(rref._rref_id, fork_id)
+    try:
+        future = creation_call(agent, dst, call[0], (creation, *call), timeout, force)
     except BaseException as exc:  # not sent (a dead or unreachable owner): nobody will confirm
         ctx.confirm_user(fork_id, exc)
         raise
-
-    rref._creation = _after(future, lambda error: ctx.confirm_user(fork_id, error))
-    return rref
+    return after_creation(future, lambda error: ctx.confirm_user(fork_id, error))
 
 
-def _create_call(
+def creation_call(
     agent: RpcAgent,
     dst: WorkerInfo,
     func: Any,
@@ -93,7 +105,7 @@ def _create_call(
     return future
 
 
-def _after(
+def after_creation(
     future: torch.futures.Future[Any], settle: Callable[[BaseException | None], None]
 ) -> torch.futures.Future[Any]:
     """The creation future ``_get_future()`` returns: it completes like ``future`` (error types
@@ -132,7 +144,7 @@ def _remote_exec(
     """Create the value of a ``remote()`` call; answered once it is set (or failed: the
     error is the value's, raised where it is used, as in the reference). A request that fails
     before this runs gives its error to the value too (``RRefContext.fail_creation``)."""
-    ctx = _agent_or_raise().rrefs
+    ctx = context_of(_agent_or_raise())
     rref_id, fork_id = creation.rref_id, creation.fork_id
     value = ctx.get_or_create_owner(rref_id)
     if fork_id != rref_id:

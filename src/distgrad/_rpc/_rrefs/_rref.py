@@ -3,8 +3,9 @@
 An :class:`RRef` is either the *owner's* handle (it holds an :class:`OwnerValue`) or a *user's*
 (ids only). Users become owners' handles and vice versa only through RPC pickling: sending an
 RRef in a call's arguments or result forks it (``_rref_fork``: ``_reduce_rref`` on the
-sender, ``_rebuild_rref`` on the receiver), following the reference's protocol
-(``_rref_context`` explains the tables).
+sender, ``_rebuild_rref`` on the receiver; ``_layer.register`` installs it), following the
+reference's protocol (``_rref_context`` explains the tables). :func:`create_remote` is
+``rpc.remote``'s caller side (here: it makes RRefs, and RRef's ``remote()`` proxy calls it).
 
 What runs where: ``remote()`` sends ``_remote_exec`` to the owner, which creates the value and
 registers the caller's fork before it replies; ``to_here()`` sends ``_rref_fetch``
@@ -17,22 +18,24 @@ deletes) are internal calls, retried, never recorded.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from ..._errors import InjectedFailureError, PeerFailureError, RpcTimeoutError
-from ..._wire._pickler import register_reducer
-from .._core._agent import current_agent
+from .._core._agent import RpcAgent, current_agent, require_agent
 from .._core._calls import fresh_copy
+from .._core._messages import is_script
 from .._core._worker_info import WorkerInfo
+from ._remote import create_here, create_there
 from ._rref_context import (
     RREF_TIMED_OUT,
     GloballyUniqueId,
     OwnerValue,
     RRefContext,
+    context_of,
 )
-from ._rref_fork import _reduce_rref
 from ._rref_owner import (
     _agent_or_raise,
     _owner_backward,
@@ -42,11 +45,9 @@ from ._rref_owner import (
     _script_rref_fetch,
     _wait_blocking,
 )
+from ._rref_proxy import RRefProxy
 
-if TYPE_CHECKING:
-    from ._rref_proxy import RRefProxy
-
-__all__ = ["RRef"]
+__all__ = ["RRef", "create_remote"]
 
 T = TypeVar("T")
 
@@ -117,7 +118,8 @@ class RRef(Generic[T]):
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = _agent_or_raise()
-        self._init(agent.rrefs, agent.rrefs.new_id(), None, agent.worker_info)
+        ctx = context_of(agent)
+        self._init(ctx, ctx.new_id(), None, agent.worker_info)
         self._value = OwnerValue.of(value)
         self._confirmed = True
 
@@ -365,6 +367,11 @@ class RRef(Generic[T]):
         return future.wait() if blocking else future
 
     # -- proxies ---------------------------------------------------------------------------------
+    def _remote_on_owner(self, func: Any, args: tuple[Any, ...], timeout: float) -> RRef[Any]:
+        """``rpc.remote`` of the Python function ``func`` on the owner (the ``remote()``
+        proxy's call)."""
+        return create_remote(require_agent(), self._owner, func, args, {}, timeout, force=True)
+
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
         """A proxy that calls the value's methods on the owner with ``rpc_sync``.
 
@@ -385,8 +392,6 @@ class RRef(Generic[T]):
             rref.rpc_sync().size()  # torch.Size([2, 3])
             rref.rpc_sync().view(3, 2)  # tensor of shape (3, 2), a copy sent back
         """
-        from ._rref_proxy import RRefProxy
-
         return RRefProxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> RRefProxy:
@@ -407,8 +412,6 @@ class RRef(Generic[T]):
             rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
             rref.rpc_async().size().wait()  # torch.Size([2, 3])
         """
-        from ._rref_proxy import RRefProxy
-
         return RRefProxy(self, "async", timeout)
 
     def remote(self, timeout: float = -1.0) -> RRefProxy:
@@ -429,8 +432,6 @@ class RRef(Generic[T]):
             rref = rpc.remote("worker1", torch.add, args=(torch.zeros(2, 3), 1))
             rref.remote().view(3, 2).to_here()  # the (3, 2) view, made on worker1
         """
-        from ._rref_proxy import RRefProxy
-
         return RRefProxy(self, "remote", timeout)
 
     # -- autograd --------------------------------------------------------------------------------
@@ -475,4 +476,28 @@ class RRef(Generic[T]):
         )
 
 
-register_reducer(RRef, _reduce_rref)
+def create_remote(
+    agent: RpcAgent,
+    dst: WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    force: bool,
+) -> RRef[Any]:
+    """``rpc.remote``: an RRef at once; the value is created on ``dst`` (``_remote`` sends the
+    creation call and records its outcome on the RRef)."""
+    ctx = context_of(agent)
+    rref_id = ctx.new_id()
+    if dst.id == ctx.worker_id:  # the owner is here: its handle now, the value from a call
+        value = OwnerValue()
+        rref: RRef[Any] = RRef._new_owner(ctx, rref_id, value)
+        call = (func, args, kwargs)
+        rref._creation = create_here(agent, ctx, dst, rref_id, value, call, timeout, force)
+    else:
+        fork_id = ctx.new_id()
+        rref = RRef._new_user(ctx, rref_id, fork_id, dst)
+        rref._script = is_script(func)
+        call = (func, args, kwargs)
+        rref._creation = create_there(agent, ctx, dst, rref, call, timeout, force)
+    return rref

@@ -30,20 +30,25 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 
+from .._core._agent import RpcAgent, current_agent
 from .._core._functions import on_io_thread
 from .._core._messages import message_type
 from ._outbox import outbox_of
-from ._rref_values import RREF_TIMED_OUT, GloballyUniqueId, OwnerValue
+from ._rref_values import RREF_TIMED_OUT, GloballyUniqueId, OwnerValue, UserHandle
 
-if TYPE_CHECKING:
-    from .._core._agent import RpcAgent
-    from ._rref import RRef
-
-__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "RRefContext", "RemoteCreation"]
+__all__ = [
+    "RREF_TIMED_OUT",
+    "GloballyUniqueId",
+    "OwnerValue",
+    "RRefContext",
+    "RemoteCreation",
+    "context_of",
+    "leaks_of",
+]
 
 _log = logging.getLogger("distgrad.rpc")
 
@@ -51,7 +56,7 @@ _TOMBSTONES = 65536
 
 
 class _Collecting(threading.local):
-    users: list[RRef[Any]] | None = None
+    users: list[UserHandle] | None = None
     #: the value a ``remote()`` request being served on this thread creates (see
     #: :class:`RemoteCreation`); reset by :meth:`RRefContext.start_collecting`
     creating: RemoteCreation | None = None
@@ -88,8 +93,8 @@ def _note_creation(rref_id: GloballyUniqueId, fork_id: GloballyUniqueId) -> Remo
 
 
 class RRefContext:
-    """One worker's RRef tables (the reference's ``RRefContext``). Created with the agent,
-    destroyed by shutdown; every method is thread-safe."""
+    """One worker's RRef tables (the reference's ``RRefContext``). Made for an agent on first
+    use (:func:`context_of`), destroyed when it stops; every method is thread-safe."""
 
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
@@ -99,9 +104,9 @@ class RRefContext:
         self._forks: dict[GloballyUniqueId, set[GloballyUniqueId]] = {}
         #: forks deleted before they were registered (the most recent ``_TOMBSTONES``)
         self._tombstones: OrderedDict[GloballyUniqueId, None] = OrderedDict()
-        self._pending_users: dict[GloballyUniqueId, RRef[Any]] = {}
-        self._pending_children: dict[GloballyUniqueId, RRef[Any]] = {}
-        self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, RRef[Any]] = (
+        self._pending_users: dict[GloballyUniqueId, UserHandle] = {}
+        self._pending_children: dict[GloballyUniqueId, UserHandle] = {}
+        self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, UserHandle] = (
             weakref.WeakValueDictionary()
         )
         # (owner id, rref id, fork id) of UserRRefs whose last handle was dropped. Appended from
@@ -158,7 +163,7 @@ class RRefContext:
                     self._owners.pop(rref_id, None)
 
     # -- user side -------------------------------------------------------------------------------
-    def add_pending_user(self, fork_id: GloballyUniqueId, rref: RRef[Any]) -> None:
+    def add_pending_user(self, fork_id: GloballyUniqueId, rref: UserHandle) -> None:
         with self._lock:
             self._pending_users[fork_id] = rref
 
@@ -174,13 +179,13 @@ class RRefContext:
             if error is None or rref._timed_out or rref._maybe_created:
                 self.add_confirmed_user(rref)
 
-    def add_confirmed_user(self, rref: RRef[Any]) -> None:
+    def add_confirmed_user(self, rref: UserHandle) -> None:
         fork_id = rref._fork_id
         assert fork_id is not None
         with self._lock:
             self._confirmed_users[fork_id] = rref
 
-    def add_pending_child(self, fork_id: GloballyUniqueId, parent: RRef[Any]) -> None:
+    def add_pending_child(self, fork_id: GloballyUniqueId, parent: UserHandle) -> None:
         with self._lock:
             self._pending_children[fork_id] = parent
 
@@ -259,7 +264,7 @@ class RRefContext:
         is lost, or cannot be sent while the parent is suspected, reaches it when it is back."""
         outbox_of(self.agent).send(parent, _child_accept_notice, (fork_id,))
 
-    def request_fork(self, rref: RRef[Any], parent: int) -> None:
+    def request_fork(self, rref: UserHandle, parent: int) -> None:
         """A UserRRef received from a user (not the owner): ask the owner to register its fork;
         once acknowledged, the user is confirmed and the parent may let go of it."""
         fork_id = rref._fork_id
@@ -277,7 +282,7 @@ class RRefContext:
     # Plain calls, not a context manager: the agent brackets every request's unpickling with
     # them, on the per-message path.
     @staticmethod
-    def start_collecting() -> list[RRef[Any]] | None:
+    def start_collecting() -> list[UserHandle] | None:
         """From now on, collect the unconfirmed UserRRefs unpickled on this thread; returns
         what :meth:`stop_collecting` needs to restore."""
         previous = _collecting.users
@@ -286,14 +291,14 @@ class RRefContext:
         return previous
 
     @staticmethod
-    def stop_collecting(previous: list[RRef[Any]] | None) -> list[RRef[Any]]:
+    def stop_collecting(previous: list[UserHandle] | None) -> list[UserHandle]:
         """The UserRRefs collected since :meth:`start_collecting`."""
         users = _collecting.users
         _collecting.users = previous
         return users if users is not None else []
 
     @staticmethod
-    def collect(rref: RRef[Any]) -> None:
+    def collect(rref: UserHandle) -> None:
         users = _collecting.users
         if users is not None:
             users.append(rref)
@@ -379,11 +384,36 @@ class RRefContext:
             }
 
 
-def _context() -> RRefContext | None:
-    from .._core._agent import current_agent
+_create_lock = threading.Lock()
+_LEAKS = "rref_leaks"
 
+
+def context_of(agent: RpcAgent) -> RRefContext:
+    """The RRef tables of ``agent`` (kept in its ``layer_state``; made on first use)."""
+    ctx = agent.layer_state.get(RRefContext)
+    if ctx is None:
+        with _create_lock:
+            ctx = agent.layer_state.get(RRefContext)
+            if ctx is None:
+                ctx = agent.layer_state[RRefContext] = RRefContext(agent)
+    return cast(RRefContext, ctx)
+
+
+def stop_context(agent: RpcAgent) -> None:
+    """The agent stopped: destroy its tables, keeping the forks still registered (leaks)."""
+    agent.layer_state[_LEAKS] = context_of(agent).destroy()
+
+
+def leaks_of(agent: RpcAgent) -> list[tuple[GloballyUniqueId, GloballyUniqueId]]:
+    """The forks still registered when ``agent`` stopped (empty before it stopped)."""
+    return cast(
+        "list[tuple[GloballyUniqueId, GloballyUniqueId]]", agent.layer_state.get(_LEAKS, [])
+    )
+
+
+def _context() -> RRefContext | None:
     agent = current_agent()
-    return agent.rrefs if agent is not None else None
+    return context_of(agent) if agent is not None else None
 
 
 # -- handlers of the protocol messages (run on the receiving worker) ---------------------------

@@ -1,19 +1,15 @@
 """Sending an RRef through RPC forks it: the sender's side (``_reduce_rref``, the reference's
 ``prepareChildFork``) and the receiver's (``_rebuild_rref``); ``_rref_context`` explains the
-tables they update."""
+tables they update. ``_layer.register`` installs ``_reduce_rref`` as the RRef's reducer in RPC
+pickling (this module is above ``_rref``: it builds RRefs)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._rref_context import (
-    GloballyUniqueId,
-)
+from ._rref import RRef
+from ._rref_context import GloballyUniqueId, context_of
 from ._rref_owner import _agent_or_raise
-
-if TYPE_CHECKING:
-    from ._rref import RRef
-
 
 # -- pickling through RPC (forks) --------------------------------------------------------------
 ForkData = tuple[int, GloballyUniqueId, GloballyUniqueId, int, bool]
@@ -44,10 +40,8 @@ def _rebuild_rref(
     script: bool = False,
 ) -> RRef[Any]:
     """Receiver side of a fork."""
-    from ._rref import RRef  # (it imports this module)
-
     agent = _agent_or_raise()
-    ctx = agent.rrefs
+    ctx = context_of(agent)
     if owner == ctx.worker_id:  # back at the owner: the one OwnerRRef
         rref: RRef[Any] = RRef._new_owner(ctx, rref_id, ctx.get_or_create_owner(rref_id))
         if parent == owner:  # sent to itself: the fork registered when pickling is not a user

@@ -3,7 +3,7 @@ the type query, ``backward``), and the agent lookups they share with ``RRef``.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -11,14 +11,7 @@ from .._core import _layer
 from .._core._agent import RpcAgent, current_agent
 from .._core._functions import async_execution
 from .._core._messages import message_type
-from ._rref_context import (
-    GloballyUniqueId,
-    OwnerValue,
-)
-
-if TYPE_CHECKING:
-    pass
-
+from ._rref_context import GloballyUniqueId, OwnerValue, context_of
 
 _NO_AGENT = (
     "Current RPC agent is not set! Did you initialize the RPC framework "
@@ -55,7 +48,7 @@ def _owner_backward(value: Any, context_id: int, retain_graph: bool) -> None:
 
 # -- handlers (run on the owner) ---------------------------------------------------------------
 def _owner_value(rref_id: GloballyUniqueId) -> OwnerValue:
-    return _agent_or_raise().rrefs.get_or_create_owner(rref_id)
+    return context_of(_agent_or_raise()).get_or_create_owner(rref_id)
 
 
 def _done_future() -> torch.futures.Future[None]:

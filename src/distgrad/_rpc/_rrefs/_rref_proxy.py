@@ -1,34 +1,48 @@
 """``rref.rpc_sync()`` / ``rpc_async()`` / ``remote()`` proxies: call a method of the value on
 its owner (torch's ``rref_proxy``).
 
-``rref.rpc_sync().m(*a, **kw)`` is ``rpc_sync(rref.owner(), _local_invoke, (rref, "m", a, kw))``.
+``rref.rpc_sync().m(*a, **kw)`` is ``rpc_sync(rref.owner(), _local_invoke, (rref, "m", a, kw))``
+(made through the agent, as ``rpc_sync`` / ``rpc_async`` / ``remote`` make it).
 The value's type is looked up once (``rref._get_type``, cached) so that a method decorated with
 ``@rpc.functions.async_execution`` is run by the asynchronous invoker, as in the reference.
+
+This module is below ``_rref`` (whose ``rpc_sync()`` / ``rpc_async()`` / ``remote()`` make
+proxies), so it knows an RRef only through :class:`ProxyTarget`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from .. import _api
+from .._core._agent import require_agent
 from .._core._calls import set_future_error
 from .._core._functions import async_execution
+from .._core._worker_info import WorkerInfo
 
-if TYPE_CHECKING:
-    from ._rref import RRef
-
-__all__ = ["RRefProxy"]
+__all__ = ["ProxyTarget", "RRefProxy"]
 
 
-def _local_invoke(rref: RRef[Any], func_name: str, args: Any, kwargs: Any) -> Any:
+class ProxyTarget(Protocol):
+    """What a proxy uses of its RRef."""
+
+    def owner(self) -> WorkerInfo: ...
+
+    def local_value(self) -> Any: ...
+
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any: ...
+
+    def _remote_on_owner(self, func: Any, args: tuple[Any, ...], timeout: float) -> Any: ...
+
+
+def _local_invoke(rref: ProxyTarget, func_name: str, args: Any, kwargs: Any) -> Any:
     return getattr(rref.local_value(), func_name)(*args, **kwargs)
 
 
 @async_execution
-def _local_invoke_async_execution(rref: RRef[Any], func_name: str, args: Any, kwargs: Any) -> Any:
+def _local_invoke_async_execution(rref: ProxyTarget, func_name: str, args: Any, kwargs: Any) -> Any:
     return getattr(rref.local_value(), func_name)(*args, **kwargs)
 
 
@@ -41,17 +55,26 @@ def _invoker(rref_type: type, func_name: str) -> Any:
     return _local_invoke
 
 
-_APIS = {"sync": _api.rpc_sync, "async": _api.rpc_async, "remote": _api.remote}
+def _call(
+    mode: str, rref: ProxyTarget, invoker: Any, call_args: tuple[Any, ...], timeout: float
+) -> Any:
+    """``rpc_sync`` / ``rpc_async`` / ``remote`` of ``invoker`` on the RRef's owner (a Python
+    function: recorded by distributed autograd, as the public functions record it)."""
+    if mode == "remote":
+        return rref._remote_on_owner(invoker, call_args, timeout)
+    agent = require_agent()
+    if mode == "sync":
+        return agent.call_sync(rref.owner(), invoker, call_args, {}, timeout, force=True)
+    return agent.call_async(rref.owner(), invoker, call_args, {}, timeout, force=True)
 
 
 def _invoke(
-    rref: RRef[Any], mode: str, func_name: str, timeout: float, *args: Any, **kwargs: Any
+    rref: ProxyTarget, mode: str, func_name: str, timeout: float, *args: Any, **kwargs: Any
 ) -> Any:
-    api = _APIS[mode]
     type_future = rref._get_type(timeout=timeout, blocking=False)
     if mode != "async":
         invoker = _invoker(type_future.wait(), func_name)
-        return api(rref.owner(), invoker, args=(rref, func_name, args, kwargs), timeout=timeout)
+        return _call(mode, rref, invoker, (rref, func_name, args, kwargs), timeout)
     # rpc_async: the future of the method's result, whether the type is known yet or not
     result: torch.futures.Future[Any] = torch.futures.Future()
 
@@ -64,9 +87,7 @@ def _invoke(
     def call(typed: torch.futures.Future[Any]) -> None:
         try:
             invoker = _invoker(typed.wait(), func_name)
-            future = api(
-                rref.owner(), invoker, args=(rref, func_name, args, kwargs), timeout=timeout
-            )
+            future = _call(mode, rref, invoker, (rref, func_name, args, kwargs), timeout)
         except BaseException as exc:
             set_future_error(result, exc)
             return
@@ -81,7 +102,7 @@ class RRefProxy:
 
     __slots__ = ("_mode", "_rref", "_timeout")
 
-    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+    def __init__(self, rref: ProxyTarget, mode: str, timeout: float) -> None:
         self._rref = rref
         self._mode = mode
         self._timeout = timeout

@@ -1,19 +1,21 @@
 """The values of the RRef protocol: the ids of RRefs and forks (:class:`GloballyUniqueId`), and
 an owner's value, set once by the creating call and waited for by ``to_here()``
-(:class:`OwnerValue`). The tables that use them are ``_rref_context``'s."""
+(:class:`OwnerValue`); and :class:`UserHandle`, what the tables (``_rref_context``'s) use of a
+user's ``RRef``."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._core._calls import set_future_error
+from .._core._worker_info import WorkerInfo
 
-__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue"]
+__all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "UserHandle"]
 
 
 RREF_TIMED_OUT = (
@@ -133,3 +135,19 @@ class OwnerValue:
 
         self.add_callback(complete)
         return future
+
+
+class UserHandle(Protocol):
+    """What the RRef tables use of a UserRRef (``_rref.RRef`` is one): its ids and owner, its
+    deletion and confirmation state. The tables sit below the ``RRef`` class (it uses them), so
+    they know it only through this."""
+
+    _rref_id: GloballyUniqueId
+    _fork_id: GloballyUniqueId | None
+    _owner: WorkerInfo
+    _timed_out: bool
+    _maybe_created: bool
+    _deleted: bool
+
+    def _settle(self, error: BaseException | None) -> None:
+        """The owner confirmed it (``error`` None) or never will (why)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .._core._worker_info import WorkerInfo
+from ._worker_info import WorkerInfo
 
 __all__ = ["MembershipEvent", "MembershipKind"]
 
