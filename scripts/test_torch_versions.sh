@@ -40,31 +40,46 @@ newest_release() {
     echo "$newest"
 }
 
-run_release() {
-    local release=$1 venv="$CACHE/torch-$1" start=$SECONDS t
-    echo "== torch $release ($venv)"
+step() {  # step NAME COMMAND...: run it, note its time and whether it failed; go on either way
+    local name=$1 t=$SECONDS
+    shift
+    if "$@"; then
+        LEG+=" $name $((SECONDS - t))s"
+    else
+        LEG+=" $name FAILED after $((SECONDS - t))s"
+        FAILED=1
+    fi
+}
+
+install_release() {
+    local release=$1 venv=$2
     if [ ! -f "$venv/.installed" ]; then
         rm -rf "$venv"
         "$PY" -m venv "$venv"
     fi
     # distgrad's own requirements with exactly this torch: pip fails if the range excludes it
-    "$venv/bin/python" -m pip install -q "torch==$release" "$ROOT[test]"
-    touch "$venv/.installed"
-    "$venv/bin/python" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
-    local install=$((SECONDS - start))
-    t=$SECONDS
-    PYTHONPATH="$ROOT/src" "$venv/bin/python" -m pytest tests/unit -q -p no:cacheprovider
-    local unit=$((SECONDS - t))
-    t=$SECONDS
-    PYTHONPATH="$ROOT/src" "$venv/bin/python" -m pytest "${E2E[@]}" -q -p no:cacheprovider
-    local e2e=$((SECONDS - t))
-    t=$SECONDS
-    PYTHONPATH="$ROOT/src" timeout 300 "$venv/bin/python" -m distgrad demo
-    local demo=$((SECONDS - t))
-    TIMES+=("torch $release: install ${install}s, unit ${unit}s, e2e ${e2e}s, demo ${demo}s")
+    "$venv/bin/python" -m pip install -q "torch==$release" "$ROOT[test]" &&
+        touch "$venv/.installed" &&
+        "$venv/bin/python" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
+}
+
+run_release() {
+    local release=$1 venv="$CACHE/torch-$1"
+    echo "== torch $release ($venv)"
+    LEG="torch $release:"
+    step install install_release "$release" "$venv"
+    if [ -f "$venv/.installed" ]; then
+        export PYTHONPATH="$ROOT/src"
+        step unit "$venv/bin/python" -m pytest tests/unit -q -p no:cacheprovider
+        step e2e "$venv/bin/python" -m pytest "${E2E[@]}" -q -p no:cacheprovider
+        step demo timeout 300 "$venv/bin/python" -m distgrad demo
+        unset PYTHONPATH
+    fi
+    TIMES+=("$LEG")
 }
 
 TIMES=()
+FAILED=0
 if [ $# -gt 0 ]; then
     releases=("$@")
 else
@@ -83,4 +98,6 @@ mkdir -p "$CACHE"
 for release in "${releases[@]}"; do
     run_release "$release"
 done
+echo "== torch versions"
 printf '%s\n' "${TIMES[@]}"
+exit "$FAILED"
