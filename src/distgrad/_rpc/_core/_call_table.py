@@ -5,6 +5,8 @@ Caller threads insert calls while the I/O thread completes, fails and expires th
 access takes the table's lock: a peer failure takes the calls on its link out under the lock
 (:meth:`CallTable.take_on`), and a call inserted meanwhile is either among them or was
 inserted after the link closed -- which its sender sees (``Link.closed``) and fails itself.
+A call whose request is being written (``_Call.sending``) is left to its sender too: only the
+sender knows whether the frame left (if not, it sends it again on a new link; issue 14).
 (Iterating a plain dict here while callers inserted raised ``dictionary changed size during
 iteration`` on the I/O thread: the remaining calls were never failed, and their callers hung.)
 """
@@ -68,9 +70,12 @@ class CallTable:
             return call
 
     def take_on(self, link: Link) -> list[_Call]:
-        """Take out every call waiting on ``link`` (which broke)."""
+        """Take out every call waiting on ``link`` (which broke), except those whose sender is
+        still writing the request: it finishes them (``Link.closed``, or the send's error)."""
         with self._lock:
-            taken = [call for call in self._calls.values() if call.conn is link]
+            taken = [
+                call for call in self._calls.values() if call.conn is link and not call.sending
+            ]
             for call in taken:
                 del self._calls[call.cid]
                 if call.slot:

@@ -155,6 +155,7 @@ class _Call:
         "future",
         "internal",
         "lock",
+        "sending",
         "slot",
         "timeout",
     )
@@ -177,6 +178,9 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: its sender is writing its request: a link that breaks meanwhile leaves it to the
+        #: sender, which knows whether the frame left (``_outgoing``)
+        self.sending = False
         self.lock: threading.Lock | None = None
         #: for internal calls: called with (result, error) where the answer arrives
         self.callback = callback

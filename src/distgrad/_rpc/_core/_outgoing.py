@@ -131,6 +131,7 @@ class Outgoing:
         if not internal:
             with self._active_lock:
                 self._active += 1
+        call.sending = True  # (until the write is over: a link failure leaves the call to us)
         calls.add(call)
         self._stats.sent(dst.id, size)
         info = None
@@ -145,7 +146,7 @@ class Outgoing:
             except FrameNotSentError as exc:
                 # The connection was found dead before any byte of the request left: the peer
                 # cannot have run it, so it goes once more, on a fresh connection.
-                if calls.pop(cid) is None:  # failed meanwhile with its connection
+                if calls.pop(cid) is None:  # expired meanwhile, or the agent stopped
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
                 calls.add(call)
@@ -165,10 +166,12 @@ class Outgoing:
                 self._done(call)
             raise
         finally:
+            call.sending = False
             if extension is not None:
                 extension.sent()
         # The link broke after the call was registered: its failure may have taken the calls
-        # out before this one was in (see _call_table), so fail it here if it is still there.
+        # out before this one was in, or left it to this thread while it was writing (see
+        # _call_table), so fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
             self._done(call)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
