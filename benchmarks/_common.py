@@ -324,6 +324,8 @@ class Placement:
     #: TensorPipe would pick its same-machine channels (CMA, shm); across real hosts it cannot.
     torch_channels: tuple[str, ...] | None = None
     torch_transports: tuple[str, ...] | None = None
+    #: each rank's ``device_maps`` option (``((rank, {to: {src: dst}}), ...)``), both backends
+    device_maps: tuple[tuple[int, dict[str, dict[str, str]]], ...] = ()
 
 
 def _worker_main(
@@ -358,6 +360,9 @@ def _worker_main(
             extra["_channels"] = list(placement.torch_channels)
         if impl == "torch" and placement.torch_transports is not None:
             extra["_transports"] = list(placement.torch_transports)
+        maps = dict(placement.device_maps).get(rank)
+        if maps:
+            extra["device_maps"] = maps
         options = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://{placement.master}:{port}", rpc_timeout=120.0, **extra
         )

@@ -101,12 +101,19 @@ class Hosts:
         return self
 
     def popen(
-        self, k: int, argv: Sequence[str], env: Mapping[str, str] | None = None
+        self,
+        k: int,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        stdin: bool = False,
     ) -> subprocess.Popen[str]:
-        """Start ``argv`` inside host ``k`` (its own process group; output captured)."""
+        """Start ``argv`` inside host ``k`` (its own process group; output captured; with
+        ``stdin``, a pipe to write its standard input)."""
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.names[k], *argv],
             env=dict(env) if env is not None else None,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -5,6 +5,8 @@ cycles: function-local and type-only imports count; tests/unit/test_import_graph
 
     _errors, _config, _omp      the exception tree, constants and environment variables
     _wire                       framing, the tensor-aware pickler, limits  (bytes <-> messages)
+    _devices                    device maps, staging and streams of device tensors (beside
+                                _wire: uses nothing of distgrad's but torch)
     _transport                  connections, handshake, TLS, heartbeats, the I/O thread,
                                 in-memory and fault-injecting transports  (messages <-> peers)
     _rpc._core                  the agent: calls, serving, codec, call table, pools,
@@ -21,6 +23,8 @@ cycles: function-local and type-only imports count; tests/unit/test_import_graph
     profiler, testing
     _cli, _launcher, _slurm,    ``distgrad demo``, ``distgrad run``
     _demo, __main__
+    _patch                      the switch that makes distgrad torch's RPC
+                                (``patch_torch``; on the public modules)
 
 The public, torch-shaped modules are :mod:`distgrad.rpc`, :mod:`distgrad.autograd`,
 :mod:`distgrad.optim`, :mod:`distgrad.nn`, :mod:`distgrad.profiler` and
@@ -31,4 +35,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["__version__"]
+# light: importing it imports neither torch nor the RPC (the start-up hook imports it)
+from ._patch._api import patch_torch, patched
+
+__all__ = ["__version__", "patch_torch", "patched"]

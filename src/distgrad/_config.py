@@ -36,6 +36,9 @@ ENV_OMP_THROTTLE = "DISTGRAD_OMP_THROTTLE"
 ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
 #: Set to "1" for fail-stop peers: a lost connection proves the peer dead (no reconnection).
 ENV_FAIL_STOP = "DISTGRAD_FAIL_STOP"
+#: Set to "1" to make distgrad stand in for torch's RPC in every Python process that inherits
+#: it (the ``distgrad-patch-torch.pth`` start-up hook; docs/libraries.md).
+ENV_PATCH_TORCH = "DISTGRAD_PATCH_TORCH"
 
 #: Default bound on one message (pickle stream plus all tensor buffers), in bytes.
 DEFAULT_MAX_MESSAGE_SIZE: int = 16 * 1024**3

@@ -86,6 +86,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         f"(default {DEFAULT_GRACE_PERIOD:g})",
     )
     run_parser.add_argument(
+        "--patch-torch",
+        action="store_true",
+        help=f"set {_config.ENV_PATCH_TORCH}=1 for the workers: distgrad stands in for "
+        "torch.distributed.rpc in them and in every Python process they start, for programs "
+        "and libraries that import torch's RPC (docs/libraries.md)",
+    )
+    run_parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -415,6 +422,8 @@ def run(args: argparse.Namespace) -> int:
     port = args.master_port if args.master_port is not None else _free_port()
     secret = _config.env_str(_config.ENV_SECRET) or secrets.token_hex(32)
     base = dict(os.environ)
+    if getattr(args, "patch_torch", False):
+        base[_config.ENV_PATCH_TORCH] = "1"
     envs = [worker_env(base, rank, args.nproc, port, secret) for rank in range(args.nproc)]
     launcher = _Launcher(args.grace_period, _Output(sys.stdout), _Output(sys.stderr))
     with launcher.signals_handled():

@@ -6,6 +6,7 @@ leave with a graceful ``rpc.shutdown()``.
 
 ``python elastic_worker.py leader PORT``: rank 0; runs the scenario (members join, one is killed
 and relaunched under its name, one leaves) and prints one JSON line of what it saw.
+``leader-dies`` and ``death-mid-join`` are other scenarios of rank 0 (see their functions).
 """
 
 from __future__ import annotations
@@ -96,6 +97,54 @@ def leader_dies(port: int) -> None:
     spawn("w2", 2, port)
     wait_for(lambda: len(names()) == 3, "the members to join")
     os._exit(0)
+
+
+def members_seen() -> list[str]:
+    """This worker's view of the group (asked of each member by RPC)."""
+    return names()
+
+
+def death_mid_join(port: int) -> None:
+    """A joiner is SIGKILLed mid-join, holding the membership token (it told w0, and waits
+    for w1, which is frozen); a later joiner must still get in, and every view must agree."""
+    rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=options(port))
+    seen: dict[str, Any] = {}
+    procs = [spawn("w1", 1, port)]
+    try:
+        wait_for(lambda: names() == ["w0", "w1"], "w1 to join")
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        procs.append(spawn("w2", 2, port))
+        wait_for(lambda: "w2" in names(), "w2 to tell w0 it joins")
+        os.kill(procs[1].pid, signal.SIGKILL)  # it holds the token, waiting on frozen w1
+        procs[1].wait(10)
+        os.kill(procs[0].pid, signal.SIGCONT)
+        started = time.monotonic()
+        procs.append(spawn("w3", 3, port))
+        try:
+            wait_for(lambda: "w3" in names(), "w3 to join", timeout=40)
+            seen["join_s"] = round(time.monotonic() - started, 2)
+        except TimeoutError as exc:
+            seen["join_s"] = str(exc)
+            print(json.dumps(seen), flush=True)
+            return
+        wait_for(lambda: "w2" not in names(), "w2 to be dropped", timeout=10)
+        seen["views"] = {
+            "w0": names(),
+            "w1": rpc.rpc_sync("w1", members_seen),
+            "w3": rpc.rpc_sync("w3", members_seen),
+        }
+        seen["step"] = step(["w1", "w3"])
+        for name in ("w3", "w1"):
+            rpc.rpc_sync(name, leave_now)
+        wait_for(lambda: names() == ["w0"], "w1 and w3 to leave")
+        seen["exit"] = [procs[0].wait(30), procs[2].wait(30)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        rpc.shutdown()
+    print(json.dumps(seen), flush=True)
 
 
 def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
@@ -191,5 +240,7 @@ if __name__ == "__main__":
         survivor(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "leader-dies":
         leader_dies(int(sys.argv[2]))
+    elif sys.argv[1] == "death-mid-join":
+        death_mid_join(int(sys.argv[2]))
     else:
         leader(int(sys.argv[2]))

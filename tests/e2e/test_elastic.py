@@ -75,6 +75,18 @@ def test_losing_the_leader_does_not_stop_the_members() -> None:
     assert isinstance(seen["shutdown_s"], float)
 
 
+def test_a_joiner_killed_holding_the_membership_token_does_not_stop_joins() -> None:
+    """A joiner SIGKILLed mid-join (holding the membership token while it waits on a frozen
+    member) does not block the next join: the token is taken over (its holder proved dead),
+    the half-applied join undone, and every member's view of the group is the same."""
+    seen = run_leader("death-mid-join")
+    assert isinstance(seen["join_s"], float), seen
+    assert seen["join_s"] < 15.0, seen
+    assert seen["views"] == {m: ["w0", "w1", "w3"] for m in ("w0", "w1", "w3")}, seen
+    assert seen["step"] is True
+    assert seen["exit"] == [0, 0]
+
+
 def test_bad_dynamic_init_gives_torchs_errors() -> None:
     """No rank fails at once with torch's error."""
     port = free_port()

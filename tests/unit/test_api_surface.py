@@ -76,9 +76,9 @@ def test_non_number_timeout_is_a_type_error(bad: Any) -> None:
 
 
 def test_device_map_keys_and_values_are_normalised() -> None:
-    """Device maps accept int, str and torch.device and store torch.device on both sides."""
-    opts = rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {0: "cuda:1"}})
-    opts.set_device_map("w1", {torch.device("cuda", 2): 3})
+    """Device maps accept str and torch.device and store torch.device on both sides."""
+    opts = rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {"cuda:0": "cuda:1"}})
+    opts.set_device_map("w1", {torch.device("cuda", 2): "cuda:3"})
     opts.set_device_map("w2", {"cpu": "cpu"})
     assert opts.device_maps == {
         "w1": {
@@ -92,8 +92,8 @@ def test_device_map_keys_and_values_are_normalised() -> None:
 def test_set_device_map_conflict_message() -> None:
     """Mapping one device to two targets raises the reference's set_device_map error."""
     opts = rpc.TensorPipeRpcBackendOptions()
-    opts.set_device_map("w1", {0: 1})
-    opts.set_device_map("w1", {0: 1})  # the same pair again is fine
+    opts.set_device_map("w1", {"cuda:0": "cuda:1"})
+    opts.set_device_map("w1", {"cuda:0": "cuda:1"})  # the same pair again is fine
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -101,7 +101,7 @@ def test_set_device_map_conflict_message() -> None:
             "trying to map cuda:0 to cuda:2 and cuda:1"
         ),
     ):
-        opts.set_device_map("w1", {0: 2})
+        opts.set_device_map("w1", {"cuda:0": "cuda:2"})
     assert opts.device_maps["w1"] == {torch.device("cuda:0"): torch.device("cuda:1")}
 
 
@@ -113,14 +113,16 @@ def test_device_map_not_one_to_one_message() -> None:
             "`device_map` only supports 1-to-1 mapping, trying to map cuda:2 and cuda:0 to cuda:1"
         ),
     ):
-        rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {0: 1, 2: 1}})
+        rpc.TensorPipeRpcBackendOptions(
+            device_maps={"w1": {"cuda:0": "cuda:1", "cuda:2": "cuda:1"}}
+        )
 
 
 def test_negative_device_index() -> None:
     """A negative device index raises the reference's error."""
     opts = rpc.TensorPipeRpcBackendOptions()
     with pytest.raises(RuntimeError, match="Device index must not be negative"):
-        opts.set_device_map("w1", {-1: 0})
+        opts.set_device_map("w1", {torch.device("cuda", -1): "cuda:0"})
 
 
 def test_set_devices_requires_cuda_devices() -> None:
@@ -133,7 +135,7 @@ def test_set_devices_requires_cuda_devices() -> None:
         opts.set_devices(["cpu"])
     with pytest.raises(ValueError, match="but got device type cpu"):
         rpc.TensorPipeRpcBackendOptions(devices=[torch.device("cpu")])
-    opts.set_devices([0, "cuda:1"])
+    opts.set_devices([torch.device("cuda", 0), "cuda:1"])
     assert opts.devices == [torch.device("cuda:0"), torch.device("cuda:1")]
 
 

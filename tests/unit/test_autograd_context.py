@@ -346,18 +346,24 @@ def test_repr_shows_id_and_counts() -> None:
 
 
 def test_accumulate_dense_gradients() -> None:
-    """Dense gradients add up out of place; the first one is stored without a copy."""
+    """Dense gradients add up out of place; a first gradient the caller still holds is copied,
+    one that only its pair refers to is taken over."""
     ctx = DistAutogradContext(0)
     leaf = torch.zeros(3, requires_grad=True)
     first = torch.ones(3)
     ctx.accumulate_grad(leaf, first)
-    assert ctx.gradients()[leaf] is first
+    assert ctx.gradients()[leaf] is not first
     snapshot = ctx.gradients()
     ctx.accumulate_grad(leaf, torch.full((3,), 2.0))
     assert torch.equal(ctx.gradients()[leaf], torch.full((3,), 3.0))
     assert torch.equal(snapshot[leaf], torch.ones(3))  # an earlier snapshot is unchanged
     assert torch.equal(first, torch.ones(3))
     assert leaf.grad is None
+    other = torch.zeros(3, requires_grad=True)
+    pairs = [(other, torch.ones(3))]
+    address = pairs[0][1].data_ptr()
+    ctx.accumulate_grads(pairs)
+    assert ctx.gradients()[other].data_ptr() == address
 
 
 def test_accumulate_clones_views_and_non_contiguous_gradients() -> None:
@@ -367,8 +373,7 @@ def test_accumulate_clones_views_and_non_contiguous_gradients() -> None:
     base = torch.arange(6.0).reshape(2, 3)
     a = torch.zeros(3, 2, requires_grad=True)
     b = torch.zeros(3, requires_grad=True)
-    ctx.accumulate_grad(a, base.t())
-    ctx.accumulate_grad(b, base[0])
+    ctx.accumulate_grads([(a, base.t()), (b, base[0])])
     grads = ctx.gradients()
     assert torch.equal(grads[a], base.t())
     assert torch.equal(grads[b], base[0])
@@ -378,25 +383,77 @@ def test_accumulate_clones_views_and_non_contiguous_gradients() -> None:
     assert grads[b].sum().item() == 3.0
 
 
-def test_accumulate_keeps_whole_views_and_copies_shared_gradients() -> None:
-    """A contiguous view over a whole storage (a linear layer's weight gradient) is stored as
-    it is; a tensor already stored for another variable is copied, so the two stored
-    gradients never alias (an in-place change to one must not reach the other)."""
-    ctx = DistAutogradContext(0)
+def _engine_grads(lin: torch.nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gw, gb = torch.autograd.grad(lin(torch.randn(2, 4)).sum(), [lin.weight, lin.bias])
+    return [(lin.weight, gw), (lin.bias, gb)]
+
+
+def test_accumulate_takes_over_what_nothing_else_refers_to() -> None:
+    """The engine's gradients (a linear layer's weight gradient is a contiguous view over a
+    whole storage) are stored as they are when only their pairs refer to them; the same
+    gradients still held by the caller, or a view whose base the caller holds, are copied."""
     lin = torch.nn.Linear(4, 3)
-    gw, _gb = torch.autograd.grad(lin(torch.randn(2, 4)).sum(), [lin.weight, lin.bias])
-    assert gw._is_view() and gw.is_contiguous()
-    ctx.accumulate_grad(lin.weight, gw)
-    assert ctx.gradients()[lin.weight] is gw
-    shared = torch.ones(3)
+    ctx = DistAutogradContext(0)
+    pairs = _engine_grads(lin)
+    addresses = [grad.data_ptr() for _, grad in pairs]
+    assert pairs[0][1]._is_view() and pairs[0][1].is_contiguous()
+    ctx.accumulate_grads(pairs)
+    del pairs
+    grads = ctx.gradients()
+    assert [grads[lin.weight].data_ptr(), grads[lin.bias].data_ptr()] == addresses
+    held = _engine_grads(lin)
+    ctx = DistAutogradContext(1)
+    ctx.accumulate_grads(list(held))  # (two lists refer to each gradient)
+    grads = ctx.gradients()
+    assert {grads[v].data_ptr() for v, _ in held}.isdisjoint(g.data_ptr() for _, g in held)
+    base = torch.ones(3, 2)
+    a = torch.zeros(2, 3, requires_grad=True)
+    ctx = DistAutogradContext(2)
+    ctx.accumulate_grads([(a, base.t())])
+    base.add_(1)
+    assert torch.equal(ctx.gradients()[a], torch.ones(2, 3))
+
+
+def test_accumulate_never_aliases_one_tensor_for_two_variables() -> None:
+    """One tensor given for two variables (a custom Function's backward returning it twice)
+    is stored as two copies: changing one stored gradient (or the tensor) changes nothing
+    else."""
+    ctx = DistAutogradContext(0)
     a = torch.zeros(3, requires_grad=True)
     b = torch.zeros(3, requires_grad=True)
-    ctx.accumulate_grad(a, shared)
-    ctx.accumulate_grad(b, shared)
+    shared = torch.ones(3)
+    pairs = [(a, shared), (b, shared)]
+    del shared
+    ctx.accumulate_grads(pairs)
     grads = ctx.gradients()
-    assert grads[a] is shared and grads[b] is not shared
+    assert grads[a].data_ptr() != grads[b].data_ptr()
+    assert pairs[0][1].data_ptr() not in (grads[a].data_ptr(), grads[b].data_ptr())
     grads[a].mul_(5)
+    pairs[0][1].mul_(7)
     assert torch.equal(grads[b], torch.ones(3))
+
+
+def test_accumulate_sparse_takes_over_only_what_is_not_shared() -> None:
+    """A sparse first gradient that only its pair refers to keeps its values (no copy), but
+    its indices are copied when the caller still holds them (an embedding's gradient shares
+    the lookup's index tensor); a sparse gradient the caller holds is copied whole."""
+    ctx = DistAutogradContext(0)
+    leaf = torch.zeros(4, 2, requires_grad=True)
+    indices = torch.tensor([[0, 2]])
+    pairs = [(leaf, torch.sparse_coo_tensor(indices, torch.ones(2, 2), (4, 2)))]
+    values_at = pairs[0][1]._values().data_ptr()
+    ctx.accumulate_grads(pairs)
+    del pairs
+    grad = ctx.gradients()[leaf]
+    assert grad._values().data_ptr() == values_at
+    assert grad._indices().data_ptr() != indices.data_ptr()
+    indices.zero_()
+    assert grad._indices().tolist() == [[0, 2]]
+    held = sparse([1], [3.0])
+    other = torch.zeros(4, requires_grad=True)
+    ctx.accumulate_grad(other, held)
+    assert ctx.gradients()[other]._values().data_ptr() != held._values().data_ptr()
+    assert torch.equal(ctx.gradients()[other].to_dense(), held.to_dense())
 
 
 def test_accumulate_detaches_gradients_that_require_grad() -> None:

@@ -16,7 +16,8 @@ from distgrad._autograd._context import CONTAINER
 from distgrad._errors import PeerFailureError
 from distgrad._rpc._core._agent import current_agent
 from distgrad._rpc._rrefs._rref_context import context_of
-from distgrad._testing._world import World, open_world
+from distgrad._testing._world import World, open_world, world_options
+from distgrad._transport._faulty import Fault
 
 
 def whoami() -> str:
@@ -263,3 +264,147 @@ def test_a_member_dying_during_a_pass_fails_that_pass_only() -> None:
         assert "worker2" in message
         grad, local = world.run_on(0, _step, 0, [1])
         torch.testing.assert_close(grad, local)
+
+
+class MortalStore:
+    """A store client that dies with its process: after :meth:`die` every call fails."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self.dead = False
+
+    def die(self) -> None:
+        self.dead = True
+
+    def __getattr__(self, name: str) -> object:
+        if self.dead:
+            raise RuntimeError("the process of this store client is dead")
+        return getattr(self._store, name)
+
+
+def _holder(world: World) -> str | None:
+    import json
+
+    if not world.store.check(["distgrad/membership"]):
+        return None
+    lease = json.loads(bytes(world.store.get("distgrad/membership")))["lease"]
+    return None if lease is None else str(lease["holder"])
+
+
+@pytest.mark.parametrize("next_rank", [4, 3], ids=["another-joiner", "the-same-relaunched"])
+def test_a_member_that_dies_holding_the_membership_token_does_not_stop_joins(
+    next_rank: int,
+) -> None:
+    """A joiner killed mid-join (it told worker0, then waited on a frozen worker1, holding the
+    token) does not block later joins: the next joiner (another, or the same rank relaunched)
+    takes the token over within the lease's bound, undoes the half-applied join, and every
+    member's view ends the same; calls reach the new member both ways."""
+    with open_world(3, dynamic=True, faults=[]) as world:
+        assert world.faults is not None
+        world.faults.freeze(1)
+        mortal = MortalStore(world.store)
+        failed: list[BaseException] = []
+
+        def doomed_join() -> None:
+            try:
+                world.join(3, store=mortal)
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=doomed_join, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while "worker3" not in names(world, 0) or _holder(world) != "worker3":
+            assert time.monotonic() < deadline, "worker3 never held the token mid-join"
+            time.sleep(0.01)
+        mortal.die()  # the joiner's process dies: no renewal, no release
+        world.kill(3)
+        thread.join(10)
+        assert failed and not thread.is_alive()
+        world.faults.thaw(1)
+        started = time.monotonic()
+        world.join(next_rank)
+        took = time.monotonic() - started
+        assert took < 2 * world_options().peer_timeout + 2.0, took
+        expected = ["worker0", "worker1", "worker2", f"worker{next_rank}"]
+        for rank in world.alive():
+            assert names(world, rank) == expected, rank
+        assert _holder(world) is None
+        grad, local = world.run_on(next_rank, _step, next_rank, [0, 1, 2])
+        torch.testing.assert_close(grad, local)
+        for rank in (0, 1, 2):
+            name = f"worker{next_rank}"
+            assert world.run_on(rank, rpc.rpc_sync, name, whoami) == name
+        if next_rank != 3:
+            with pytest.raises(RuntimeError, match="could not find destination name worker3"):
+                world.run_on(0, rpc.rpc_sync, "worker3", whoami)
+
+
+def test_a_leave_does_not_wait_for_other_members_to_drop_what_it_owns() -> None:
+    """A member leaves at once while another still holds an RRef it owns (the holder cannot let
+    go before it learns of the leave); the holder's RRef then fails naming it as departed."""
+    with open_world(3, dynamic=True) as world:
+        rref = world.run_on(0, lambda: rpc.remote("worker2", torch.ones, args=(2,)))
+        assert torch.equal(world.run_on(0, rref.to_here), torch.ones(2))
+        started = time.monotonic()
+        world.leave(2)
+        took = time.monotonic() - started
+        assert took < 2.0, took  # before: the whole rpc_timeout (10 s here)
+        with pytest.raises(PeerFailureError, match=r"worker2 \(rank 2\)"):
+            world.run_on(0, rref.to_here)
+        del rref
+
+
+def test_a_member_that_dies_mid_leave_is_rolled_forward_by_the_next_holder() -> None:
+    """A member killed mid-leave (it told worker0; its word to worker1 was lost, and it waits
+    for the answer, holding the token) leaves all the same: the next joiner takes the token
+    over and completes the leave, and every member's view ends the same (worker1's too)."""
+    lost = Fault("drop", function="_member_left", src=2, dst=1)
+    with open_world(3, dynamic=True, faults=[lost]) as world:
+        mortal = MortalStore(world.store)
+        world.agents[2].keepalive[0] = mortal  # the leaver's store client dies with it
+
+        def doomed_leave() -> None:
+            try:
+                world.leave(2)
+            except BaseException:
+                pass
+
+        thread = threading.Thread(target=doomed_leave, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while "worker2" in names(world, 0) or _holder(world) != "worker2":
+            assert time.monotonic() < deadline, "worker2 never held the token mid-leave"
+            time.sleep(0.01)
+        time.sleep(0.2)  # (its word to worker1 is sent, and dropped)
+        mortal.die()
+        world.kill(2)
+        thread.join(10)
+        assert "worker2" in names(world, 1)  # half-applied: worker1 was never told
+        world.join(3)
+        expected = ["worker0", "worker1", "worker3"]
+        for rank in (0, 1, 3):
+            assert names(world, rank) == expected, rank
+        assert _holder(world) is None
+        with pytest.raises(RuntimeError, match=r"worker2 \(rank 2\) has left the RPC group"):
+            world.run_on(1, rpc.rpc_sync, "worker2", whoami)
+
+
+def test_a_call_to_a_departed_member_fails_at_once_while_its_link_is_still_open() -> None:
+    """Once told a member leaves, a call to its WorkerInfo fails at once naming it as departed,
+    even while the leaver, still telling others, has not closed its links yet."""
+    lost = Fault("drop", function="_member_left", src=2, dst=1)  # the leave stays under way
+    options = world_options(rpc_timeout=3.0)
+    with open_world(3, dynamic=True, faults=[lost], options=options) as world:
+        info = world.run_on(0, rpc.get_worker_info, "worker2")
+        assert world.run_on(0, rpc.rpc_sync, info, whoami) == "worker2"  # a link is open
+        thread = threading.Thread(target=world.leave, args=(2,), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while "worker2" in names(world, 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert thread.is_alive()  # still waiting on worker1's answer
+        with pytest.raises(PeerFailureError, match=r"worker2 \(rank 2\) has left the RPC group"):
+            world.run_on(0, rpc.rpc_sync, info, whoami)
+        thread.join(10)

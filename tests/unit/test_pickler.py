@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from distgrad._errors import DistgradError
+from distgrad._errors import DistgradError, ProtocolError
 from distgrad._wire._pickler import HAS_TABLE, allocate_buffer, decode, dumps, encode, loads
 from tests._tensors import DTYPES, random_tensor, same_bits
 
@@ -125,12 +125,19 @@ def test_small_strided_slice_of_a_big_tensor_sends_only_its_elements() -> None:
 
 
 def test_row_and_column_slices() -> None:
-    """A row, a column and a 2-d strided window of a matrix come back with their values."""
-    base = torch.randn(50, 40)
-    for view in (base[7], base[:, 3], base[2:40:3, 5:30:4], base[10:12]):
-        y, nbytes = wire(view)
-        assert torch.equal(y, view) and y.shape == view.shape
-        assert nbytes <= 2 * view.numel() * 4
+    """A row, a column and a 2-d strided window of a matrix come back with their values and
+    layout; a storage under 8 KiB is sent whole (torch's rule), a larger one only when the
+    view uses half of it."""
+    for rows in (50, 60):
+        base = torch.randn(rows, 40)
+        for view in (base[7], base[:, 3], base[2:40:3, 5:30:4], base[10:12]):
+            y, nbytes = wire(view)
+            assert torch.equal(y, view) and y.shape == view.shape
+            if rows * 40 * 4 < 8192:
+                assert (y.stride(), y.storage_offset()) == (view.stride(), view.storage_offset())
+                assert nbytes == rows * 40 * 4
+            else:
+                assert nbytes == view.numel() * 4 and y.is_contiguous()
 
 
 def test_expanded_view_sends_the_base_elements_only() -> None:
@@ -393,6 +400,147 @@ def test_reentrant_dump_from_a_reducer() -> None:
 
 def _nested_rebuild(meta: bytes, buffers: list[bytes], flags: int) -> torch.Tensor:
     return loads(meta, buffers, flags)  # type: ignore[no-any-return]
+
+
+# -- layout as torch's (issue 23, item 7) -------------------------------------------------------
+
+
+def test_a_narrowed_view_arrives_with_its_strides_offset_and_storage() -> None:
+    """``t.narrow(1, 2, 2)`` of a small tensor arrives as torch's does: the same strides and
+    storage offset over a copy of the whole storage; the received view is a tensor of its
+    own (no autograd view) whose in-place writes reach neither the sender's tensor nor the
+    next message's."""
+    t = torch.arange(24.0).reshape(4, 6)
+    view = t.narrow(1, 2, 2)
+    y, nbytes = wire(view)
+    assert (y.stride(), y.storage_offset()) == ((6, 1), 2)
+    assert y.untyped_storage().nbytes() == nbytes == 96
+    assert torch.equal(y, view) and not y._is_view()
+    y.add_(100)
+    again = roundtrip(view)
+    assert torch.equal(t, torch.arange(24.0).reshape(4, 6))
+    assert torch.equal(again, view)
+
+
+def test_views_of_one_storage_in_one_message_share_it_on_arrival() -> None:
+    """A tensor and views of it in one message (either order) arrive on one storage, as in
+    torch: a write through one received view shows in the others, and the storage is sent
+    once."""
+    t = torch.arange(24.0).reshape(4, 6)
+    for message in ((t.narrow(1, 2, 2), t.narrow(1, 0, 2), t), (t, t[1], t.t())):
+        got, nbytes = wire(message)
+        assert nbytes == 96
+        assert len({x.untyped_storage().data_ptr() for x in got}) == 1
+        assert [x.stride() for x in got] == [x.stride() for x in message]
+        assert [x.storage_offset() for x in got] == [x.storage_offset() for x in message]
+        got[0].fill_(-1)
+        whole = next(x for x in got if x.is_contiguous() and x.shape == (4, 6))
+        assert (whole == -1).sum().item() == message[0].numel()
+
+
+def test_a_big_storage_is_cloned_as_torch_clones_it() -> None:
+    """A view using under half of a storage of 8 KiB or more is cloned (torch keeps a dense
+    view's layout, so a transposed window stays transposed); one using more than half is sent
+    with its whole storage."""
+    big = torch.randn(64, 64)  # 16 KiB
+    window = big[:20].t()  # 5 KiB of it, dense
+    y, nbytes = wire(window)
+    assert nbytes == 20 * 64 * 4 and y.stride() == window.clone().stride() == (1, 64)
+    half = big[:40]
+    y, nbytes = wire(half)
+    assert nbytes == 64 * 64 * 4 and y.untyped_storage().nbytes() == nbytes
+    assert torch.equal(y, half)
+
+
+def test_lazy_conjugate_and_negative_views_keep_their_bits() -> None:
+    """A lazy conjugate view (and the negative view ``x.conj().imag``) of a small storage
+    arrives with its bit, strides and offset over the unconjugated storage, as torch's; one of
+    a large storage is cloned, which resolves the bit (as torch's ``clone``)."""
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    for view in (x.conj(), x.conj()[:, 1:3], x.conj().imag):
+        y = roundtrip(view)
+        assert (y.is_conj(), y.is_neg()) == (view.is_conj(), view.is_neg())
+        assert (y.stride(), y.storage_offset()) == (view.stride(), view.storage_offset())
+        assert torch.equal(y.resolve_conj().resolve_neg(), view.resolve_conj().resolve_neg())
+    big = torch.randn(64, 64, dtype=torch.complex64).conj()[:2]
+    y = roundtrip(big)
+    assert not y.is_conj() and torch.equal(y, big.resolve_conj())
+
+
+def _view_frame(
+    size: Any, stride: Any, offset: Any, nbytes: int = 96, *extra: Any
+) -> tuple[bytes, list[Any]]:
+    """A hand-made message: one float32 view over a storage of ``nbytes`` received bytes."""
+    from distgrad._wire._buffers import _rebuild_view
+    from distgrad._wire._pickler import _Storage
+
+    class Frame:
+        def __reduce__(self) -> Any:
+            holder = _Storage(memoryview(bytearray(nbytes)))
+            return (_rebuild_view, (holder, torch.float32, size, stride, offset, False, *extra))
+
+    meta, buffers, _flags = dumps(Frame())
+    received = []
+    for buf in buffers:
+        copy = allocate_buffer(buf.raw().nbytes)
+        copy[:] = buf.raw()
+        received.append(copy)
+    return meta, received
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset"),
+    [
+        ((4, 6), (6, 1), 1),  # one element past the end
+        ((2, 2), (6, 1), 23),
+        ((3,), (100,), 0),
+        ((2,), (-1,), 5),  # negative stride
+        ((2,), (1,), -1),
+        ((2, 2), (1,), 0),  # ranks differ
+        ((True,), (1,), 0),
+        ((2.0,), (1,), 0),
+        ([2], [1], 0),
+        ((1,) * 2000, (1,) * 2000, 0),
+    ],
+    ids=[
+        "past_the_end",
+        "offset_past_the_end",
+        "stride_past_the_end",
+        "negative_stride",
+        "negative_offset",
+        "ranks_differ",
+        "bool_size",
+        "float_size",
+        "list_size",
+        "too_many_dims",
+    ],
+)
+def test_a_view_reaching_past_its_received_storage_is_refused(
+    size: Any, stride: Any, offset: Any
+) -> None:
+    """Sizes, strides and offsets from the wire are checked against the storage received
+    with them: a view that would reach past it, or malformed ones, raise ProtocolError and
+    make no tensor."""
+    meta, received = _view_frame(size, stride, offset)
+    with pytest.raises(ProtocolError, match="received tensor view"):
+        loads(meta, received)
+
+
+@pytest.mark.parametrize("bits", [4, -1, 1.0, 1], ids=["unknown", "negative", "float", "conj_real"])
+def test_invalid_lazy_bits_are_refused(bits: Any) -> None:
+    """Lazy bits from the wire are checked: unknown ones, and a conjugate bit on a real
+    dtype, raise ProtocolError."""
+    meta, received = _view_frame((2,), (1,), 0, 96, bits)
+    with pytest.raises(ProtocolError, match="received tensor"):
+        loads(meta, received)
+
+
+def test_a_view_inside_its_received_storage_is_accepted() -> None:
+    """The last element of the storage is reachable; an empty view may sit at its end."""
+    meta, received = _view_frame((2, 2), (6, 1), 16)
+    assert loads(meta, received).shape == (2, 2)
+    meta, received = _view_frame((0, 3), (3, 1), 24)
+    assert loads(meta, received).shape == (0, 3)
 
 
 # -- odd strides -------------------------------------------------------------------------------

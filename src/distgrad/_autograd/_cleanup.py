@@ -29,7 +29,11 @@ _CLEANUP_ATTEMPTS = 5  # as the RPC layer's retries (an injected fault may fail 
 @after_current_task
 def _cleanup_message(context_id: int, *notified: int) -> None:
     """Release ``context_id`` here; ``notified``: the workers already told. (Flat integer
-    arguments: the message then takes the plain-pickle path.)"""
+    arguments: the message then takes the plain-pickle path.) A context this worker created
+    is left alone: only its creator's ``with context()`` block releases it, as in torch (a
+    survivor releasing what a dead peer orphaned may reach the creator through others)."""
+    if CONTAINER.created_here(context_id):
+        return
     ctx = CONTAINER.release_context_if_present(context_id)
     if ctx is not None:
         after_release(ctx, frozenset(notified))

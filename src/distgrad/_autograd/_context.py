@@ -191,6 +191,10 @@ class ContextContainer:
             self._local.context_id = -1
         return ctx
 
+    def created_here(self, context_id: int) -> bool:
+        """Whether ``context_id`` is one of this worker's own ids (a context its user made)."""
+        return self._worker_id != -1 and context_id >> _ID_BITS == self._worker_id
+
     def num_contexts(self) -> int:
         """How many contexts live on this worker."""
         return len(self._contexts)
@@ -317,6 +321,9 @@ class WorkerContainer:
     def release_context_if_present(self, context_id: int) -> DistAutogradContext | None:
         return self.get().release_context_if_present(context_id)
 
+    def created_here(self, context_id: int) -> bool:
+        return self.get().created_here(context_id)
+
     def num_contexts(self) -> int:
         return self.get().num_contexts()
 
@@ -330,6 +337,8 @@ class WorkerContainer:
         return self.get().current_context()
 
     def current_context_id(self) -> int:
+        if thread_binding.agent is None:  # (every RPC asks: no call in a process of one agent)
+            return self.process._local.context_id  # type: ignore[no-any-return]
         return self.get().current_context_id()
 
     def has_current_context(self) -> bool:

@@ -243,13 +243,17 @@ class RecvRecord:
     src: int
     node: Any
     edges: list[GradientEdge]
-    templates: list[tuple[torch.Size, torch.dtype, torch.layout]] = field(default_factory=list)
+    templates: list[tuple[torch.Size, torch.dtype, torch.layout, torch.device]] = field(
+        default_factory=list
+    )
+    #: the map gradients go back by (the inverse of the forward's), or None: the options'
+    device_map: dict[torch.device, torch.device] | None = None
     anchor: torch.Tensor | None = None
 
     def fill(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """Zero-fill undefined gradients (the peer's send function needs all of them)."""
         out: list[torch.Tensor] = []
-        for grad, (shape, dtype, layout) in zip(grads, self.templates, strict=True):
+        for grad, (shape, dtype, layout, device) in zip(grads, self.templates, strict=True):
             if grad is not None:
                 out.append(grad)
             elif layout == torch.sparse_coo:
@@ -261,7 +265,7 @@ class RecvRecord:
                     )
                 )
             else:
-                out.append(torch.zeros(shape, dtype=dtype))
+                out.append(torch.zeros(shape, dtype=dtype, device=device))
         return out
 
 
@@ -272,7 +276,10 @@ def attach_send(msg_id: int, dst: int, tensors: list[torch.Tensor]) -> SendRecor
 
 
 def attach_recv(
-    msg_id: int, src: int, tensors: list[torch.Tensor]
+    msg_id: int,
+    src: int,
+    tensors: list[torch.Tensor],
+    device_map: dict[torch.device, torch.device] | None = None,
 ) -> tuple[RecvRecord, list[torch.Tensor]]:
     """Give ``tensors`` (received, requiring grad) one shared recv function; return the record
     and the tensors the receiver should see instead."""
@@ -283,7 +290,8 @@ def attach_recv(
         src,
         node,
         [GradientEdge(node, i) for i in range(len(outputs))],
-        [(t.shape, t.dtype, t.layout) for t in tensors],
+        [(t.shape, t.dtype, t.layout, t.device) for t in tensors],
+        device_map,
         anchor,
     )
     return record, outputs

@@ -15,6 +15,7 @@ import torch
 from .._errors import DistgradError
 from .._rpc._core import _profiling
 from .._rpc._core._agent import current_agent
+from .._rpc._core._calls import set_future_error
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,
@@ -258,14 +259,30 @@ class Pass:
         hooked = [leaf for leaf in leaf_list if is_hooked(leaf, accumulators[id(leaf)])]
         if hooked:
             with GRAD_LOCK, hooks_set_aside(hooked, "_backward_hooks"):
-                captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+                captured = list(run_engine(outputs, grad_outputs, inputs, retain))
         else:
-            captured_all = run_engine(outputs, grad_outputs, inputs, retain)
+            captured = list(run_engine(outputs, grad_outputs, inputs, retain))
+        # The run takes the incoming gradients over: once torch's engine is done with them,
+        # nothing here refers to them any more (the message's lists are emptied), so what the
+        # engine built on them -- a sparse gradient's values are a view of the embedding
+        # output's gradient -- may be stored without a copy when no user code kept them.
+        grad_outputs.clear()
+        for item in items:
+            if isinstance(item.grads, list):
+                item.grads.clear()
+        position = len(leaf_list)
+        recv_grads: list[list[torch.Tensor | None]] = []
+        for msg_id in recv_list:
+            width = len(self.recvs[msg_id].record.edges)
+            recv_grads.append(captured[position : position + width])
+            position += width
         hooked_ids = {id(leaf) for leaf in hooked}
         pairs = []
-        for leaf, grad in zip(leaf_list, captured_all, strict=False):
+        for index, leaf in enumerate(leaf_list):
+            grad = captured[index]
             if grad is None:
                 continue
+            captured[index] = None  # (the pair holds the engine's gradient alone: see below)
             if id(leaf) in hooked_ids:
                 pending = self.hooked.get(id(leaf))
                 if pending is None:
@@ -273,19 +290,18 @@ class Pass:
                 pending.add(grad)
             else:
                 pairs.append((leaf, grad))
+        grad = None
         if pairs:
+            # a gradient that only its pair refers to is taken over without a copy
             self.ctx.accumulate_grads(pairs)
+        del pairs
         # Sources whose last message this was are resolved *before* the recv gradients go out,
         # so a recv function they finish sends its gradients and "final" in one message.
         for source in finishing:
             source.resolved = True
-        position = len(leaf_list)
-        for msg_id in recv_list:
+        for msg_id, captured_recv in zip(recv_list, recv_grads, strict=True):
             state = self.recvs[msg_id]
-            width = len(state.record.edges)
-            captured = list(captured_all[position : position + width])
-            position += width
-            self._send_grads(state, state.record.fill(captured))
+            self._send_grads(state, state.record.fill(captured_recv))
 
     def _flush_hooked(self) -> None:
         """Run the hooks of hooked leaves that no unresolved source can reach any more, once,
@@ -331,7 +347,7 @@ class Pass:
         message = GradMessage(
             self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update
         )
-        self._message(record.src, self.messages.grad, (message,))
+        self._message(record.src, self.messages.grad, (message,), record.device_map)
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -346,7 +362,13 @@ class Pass:
                 self._send_grads(state, None)
         self._check_done()
 
-    def _message(self, worker: int, func: Any, args: tuple[Any, ...]) -> None:
+    def _message(
+        self,
+        worker: int,
+        func: Any,
+        args: tuple[Any, ...],
+        device_map: dict[torch.device, torch.device] | None = None,
+    ) -> None:
         agent = current_agent()
         if agent is None:
             raise BackwardError(
@@ -362,9 +384,9 @@ class Pass:
             # there fails that worker's part, which reaches the caller of backward through its
             # own first message's answer; a lost peer is reported by the agent.
             assert func is self.messages.grad  # START goes only to workers not in touch yet
-            agent.notify(worker, self.messages.late_grad, args)
+            agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
             return
-        agent.call_internal(worker, func, args, self._on_answer)
+        agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
         self.in_touch.add(worker)
         self.outstanding += 1
 
@@ -462,7 +484,7 @@ class Pass:
         self._finish()
         detail = str(error) if str(error) else repr(error)
         failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
-        self.done.set_exception(failure)  # type: ignore[arg-type]  # torch's stub is too narrow
+        set_future_error(self.done, failure)
 
     def _finish(self) -> None:
         self.finished = True

@@ -51,11 +51,16 @@ def _wrap(
 
 
 def _attach(ext: CallRecord, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-    context_id, msg_id, from_worker = ext
+    context_id, msg_id, from_worker, device_map = ext
     ctx = CONTAINER.get_or_create_context(context_id)
     if tensors and _requires_grad(tensors):
         positions = [i for i, t in enumerate(tensors) if t.requires_grad]
-        record, attached = attach_recv(msg_id, from_worker, [tensors[i] for i in positions])
+        # the gradients go back by the inverse of the map the call came with (the seeds'
+        # addRecvRpcBackward(..., reverseDeviceMap)); none: by this worker's own options
+        reverse = {v: k for k, v in device_map.items()} if device_map else None
+        record, attached = attach_recv(
+            msg_id, from_worker, [tensors[i] for i in positions], reverse
+        )
         ctx.add_recv_function(msg_id, record)
         tensors = list(tensors)
         for position, tensor in zip(positions, attached, strict=True):

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from .._rpc._api import get_worker_info, remote, rpc_async, rpc_sync
 from .._rpc._core._agent import current_agent, require_agent
+from .._rpc._core._torchscript import rref_limit
 from .._rpc._rrefs._rref import RRef
 from .._wire._pickler import register_reducer
 from ._remote_device import parse_remote_device
@@ -145,6 +146,7 @@ class RemoteModule(nn.Module):
             ``module_cls(*args, **kwargs)``; it must be importable there.
         args (tuple, optional): positional arguments of ``module_cls``.
         kwargs (dict, optional): keyword arguments of ``module_cls``.
+        _module_interface_cls: TorchScript interface (torch); must be ``None``.
 
     ``forward(*args, **kwargs)`` (and calling the module) blocks; ``forward_async`` returns a
     ``torch.futures.Future``. Inside a distributed autograd context both are recorded, so
@@ -158,6 +160,8 @@ class RemoteModule(nn.Module):
         AssertionError: RPC is not initialized ("RemoteModule only works in RPC.").
         ValueError: ``remote_device`` names no worker (the expected forms are given).
         RuntimeError: no worker of that name or rank exists.
+        NotImplementedError: ``_module_interface_cls`` was given (TorchScript cannot take
+            distgrad's RRefs).
         Exception: (at the first use) what ``module_cls(*args, **kwargs)`` raised on the
             owner, with its original type; the constructor does not wait for the module.
 
@@ -182,7 +186,8 @@ class RemoteModule(nn.Module):
         rpc.init_rpc("worker1", rank=1, world_size=2)
         rpc.shutdown()
 
-    Differences from torch: no TorchScript variant (``_module_interface_cls``); the owner calls
+    Differences from torch: no TorchScript variant (``_module_interface_cls`` raises
+    ``NotImplementedError``); the owner calls
     the module (``module(*args)``, so forward hooks registered on the owner run), not
     ``module.forward``; ``train(mode)`` honours ``mode`` and returns this RemoteModule (the
     reference always calls ``train()`` and returns a copy of the remote module); ``repr()``
@@ -201,8 +206,11 @@ class RemoteModule(nn.Module):
         module_cls: Callable[..., Any],
         args: tuple[Any, ...] | None = None,
         kwargs: dict[str, Any] | None = None,
+        _module_interface_cls: Any = None,
     ) -> None:
         super().__init__()
+        if _module_interface_cls is not None:
+            raise rref_limit("RemoteModule with a TorchScript _module_interface_cls")
         self._prepare_init(remote_device)
         self.is_scriptable = False
         self.module_rref = remote(
@@ -248,7 +256,8 @@ class RemoteModule(nn.Module):
             RemoteModule: calls go to the module ``module_rref`` refers to.
 
         Raises:
-            NotImplementedError: ``_module_interface_cls`` was given (no TorchScript).
+            NotImplementedError: ``_module_interface_cls`` was given (TorchScript cannot take
+                distgrad's RRefs).
             AssertionError, ValueError, RuntimeError: as the constructor, for RPC not
                 initialized and a bad ``remote_device``.
 
@@ -264,7 +273,7 @@ class RemoteModule(nn.Module):
             rpc.rpc_sync("worker1", train_with, args=(model_rref,))
         """
         if _module_interface_cls is not None:
-            raise NotImplementedError("distgrad has no TorchScript RemoteModule")
+            raise rref_limit("RemoteModule with a TorchScript _module_interface_cls")
         module: RemoteModule = object.__new__(RemoteModule)
         nn.Module.__init__(module)
         module._prepare_init(remote_device)

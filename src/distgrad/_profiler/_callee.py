@@ -21,7 +21,8 @@ import torch
 from torch.autograd import profiler_legacy
 
 from .._rpc._core._agent import current_agent
-from .._rpc._core._calls import check_async_result, is_builtin
+from .._rpc._core._calls import check_async_result, is_builtin, set_future_error
+from . import _server
 from ._records import CallRecord, Event, RemoteProfile, Session, pop, push
 
 __all__ = ["SETTLE_GRACE_S", "serve", "serve_async"]
@@ -109,6 +110,7 @@ class _Serving:
         pop(self.session)
         if self.enabled:
             self.records = _disable_legacy()
+            _server.add_records(self.records)  # for rpc._server_process_global_profile
 
     def settle(self, then: Callable[[], None]) -> None:
         """Run ``then`` once the calls made for this request have answered (bounded)."""
@@ -174,7 +176,7 @@ def serve_async(request: Any, func: Any, args: Any, kwargs: Any) -> torch.future
             value = completed.value()
         except BaseException as exc:
             serving.finish()
-            answer.set_exception(exc)
+            set_future_error(answer, exc)
             return
         serving.settle(lambda: answer.set_result((value, serving.finish())))
 

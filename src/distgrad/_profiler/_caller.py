@@ -13,6 +13,7 @@ import torch
 from torch.autograd import profiler as _torch_profiler
 
 from .._rpc._core import _profiling
+from .._rpc._core._calls import set_future_error
 from .._rpc._core._profiling import KeyScope
 from .._rpc._core._worker_info import WorkerInfo
 from ._clock import OFFSETS
@@ -206,7 +207,7 @@ def call_async(
                 span.end()
             if session is not None:
                 session.end_call()
-            outer.set_exception(exc)
+            set_future_error(outer, exc)
             return
         if span is not None:  # the range ends before the caller's future completes
             span.end()

@@ -12,9 +12,10 @@ from typing import Any, TypeVar, cast
 import torch
 
 from .. import _config
+from .._errors import PeerFailureError
 from ._core._agent import RpcAgent, require_agent
-from ._core._calls import is_builtin
-from ._core._torchscript import as_rpc_target
+from ._core._calls import RpcFuture, failed_future, is_builtin
+from ._core._torchscript import SCRIPT_TARGETS, as_rpc_target, rref_limit
 from ._core._worker_info import WorkerInfo
 from ._group._init import init_rpc, init_rpc_backend
 from ._group._shutdown import shutdown
@@ -40,6 +41,8 @@ To = str | int | WorkerInfo
 _agent = require_agent
 
 
+# ``rpc_sync``, ``rpc_async`` and ``remote`` check it on their first line instead (the same
+# error, without a wrapper's calls on every RPC).
 def _require_initialized(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -88,7 +91,26 @@ def _to_worker_info(agent: RpcAgent, to: To) -> WorkerInfo:
 _wait_all_state = threading.local()
 
 
-@_require_initialized
+def _holds_rref(value: Any, depth: int = 0) -> bool:
+    """True if ``value`` is an RRef or a list, tuple or dict holding one (a few levels down:
+    what a TorchScript signature can declare)."""
+    if isinstance(value, RRef):
+        return True
+    if depth < 4:
+        if isinstance(value, (list, tuple)):
+            return any(_holds_rref(item, depth + 1) for item in value)
+        if isinstance(value, dict):
+            return any(_holds_rref(item, depth + 1) for item in value.values())
+    return False
+
+
+def _refuse_rrefs(func: Any, args: Any, kwargs: Any) -> None:
+    """A TorchScript target cannot take distgrad RRefs: refuse the call before it is sent
+    (the callee's TorchScript would refuse the argument's type)."""
+    if _holds_rref(args) or _holds_rref(kwargs):
+        raise rref_limit(f"calling TorchScript function {func.qualified_name} with an RRef")
+
+
 def rpc_sync(
     to: To,
     func: Callable[..., Any],
@@ -156,12 +178,13 @@ def rpc_sync(
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
+    if type(func) in SCRIPT_TARGETS:
+        _refuse_rrefs(func, args, kwargs)
     return agent.call_sync(
         dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
     )
 
 
-@_require_initialized
 def rpc_async(
     to: To,
     func: Callable[..., Any],
@@ -191,7 +214,9 @@ def rpc_async(
 
     Returns:
         torch.futures.Future: completes with ``func``'s result, or with the error that
-        ``rpc_sync`` would have raised (timeout, dead peer, the remote exception).
+        ``rpc_sync`` would have raised (timeout, dead peer, the remote exception). A peer
+        already known dead fails the future (``PeerFailureError`` from ``wait()``), as
+        torch's does; it is not raised here.
 
     Raises:
         RuntimeError: RPC is not initialized, or ``to`` names no worker of the group.
@@ -223,16 +248,19 @@ def rpc_async(
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
-    future = agent.call_async(
-        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
-    )
+    if type(func) in SCRIPT_TARGETS:
+        _refuse_rrefs(func, args, kwargs)
+    args, kwargs = tuple(args) if args else (), kwargs or {}
+    try:
+        future = agent.call_async(dst, func, args, kwargs, timeout, force=not is_builtin(func))
+    except PeerFailureError as exc:  # as torch's: a peer known dead fails the future
+        future = failed_future(exc, agent._pools)
     collected = getattr(_wait_all_state, "futures", None)
     if collected is not None:
         collected.append(future)
     return future
 
 
-@_require_initialized
 def remote(
     to: To,
     func: Callable[..., Any],
@@ -295,6 +323,8 @@ def remote(
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
+    if type(func) in SCRIPT_TARGETS:
+        _refuse_rrefs(func, args, kwargs)
     return create_remote(
         agent,
         dst,
@@ -308,7 +338,9 @@ def remote(
 
 @contextlib.contextmanager
 def wait_all() -> Iterator[None]:
-    """Collect the futures of ``rpc_async`` calls made in the block and wait for all on exit."""
+    """Collect the futures of ``rpc_async`` calls made in the block and wait for them on exit
+    (torch's ``rpc._wait_all``); the first of them to fail ends the wait with its error, as
+    torch's does, without waiting for the others."""
     previous = getattr(_wait_all_state, "futures", None)
     _wait_all_state.futures = []
     try:
@@ -316,7 +348,43 @@ def wait_all() -> Iterator[None]:
     finally:  # as the reference: the futures are waited for even when the block raises
         futures = _wait_all_state.futures
         _wait_all_state.futures = previous
-        torch.futures.wait_all(futures)
+        _wait_until_all_or_one_failed(futures)
+
+
+def _wait_until_all_or_one_failed(futures: list[torch.futures.Future[Any]]) -> None:
+    """Return once every future succeeded; raise the error of the first one that fails.
+
+    (``torch.futures.wait_all`` cannot stop at a distgrad future's failure: a pure-Python
+    future that failed is, to torch's C++ future, one that completed -- see
+    docs/migration.md.) The wait frees an agent thread's pool slot, as ``wait()`` does."""
+    if not futures:
+        return
+    pools = next((f._pools for f in futures if isinstance(f, RpcFuture)), ())
+    gate = RpcFuture()  # (its wait() frees a pool slot)
+    gate._pools = pools
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def done(future: torch.futures.Future[Any]) -> None:
+        try:
+            future.wait()
+        except BaseException:
+            outcome: torch.futures.Future[Any] | None = future
+        else:
+            outcome = None
+        with lock:
+            if gate.done():
+                return
+            left[0] -= 1
+            if outcome is None and left[0] > 0:
+                return
+            gate.set_result(outcome)
+
+    for future in futures:
+        future.add_done_callback(done)
+    failed = gate.wait()
+    if failed is not None:
+        failed.wait()  # raises its error (a fresh copy, with this thread's traceback)
 
 
 def get_rpc_timeout() -> float:

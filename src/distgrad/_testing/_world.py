@@ -23,15 +23,19 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from torch.distributed import HashStore  # type: ignore[attr-defined]
+
+from .._devices._maps import plan_devices
 from .._rpc import _api
 from .._rpc._core._agent import RpcAgent, bind_thread, current_agent
 from .._rpc._core._options import TensorPipeRpcBackendOptions
 from .._rpc._core._worker_info import WorkerInfo
-from .._rpc._group._dynamic import announce_join
+from .._rpc._group._dynamic import join_group
+from .._rpc._group._lease import write_state
 from .._rpc._group._rendezvous import address_record
 from .._transport._base import TransportFactory
 from .._transport._faulty import Fault, FaultPlan, FaultyTransport
@@ -73,8 +77,11 @@ class World:
         network: MemoryNetwork,
         timeout: float,
         faults: FaultPlan | None = None,
+        store: Any = None,
     ) -> None:
         self.agents = agents
+        #: the store of a dynamic world (a ``HashStore``): joins and leaves go through it
+        self.store = store
         self.network = network
         self.timeout = timeout
         #: the fault plan of every worker's transport (``open_world(..., faults=...)``)
@@ -148,10 +155,11 @@ class World:
         return [rank for rank in range(self.size) if rank not in self._killed | self._left]
 
     # -- dynamic worlds (open_world(..., dynamic=True)) -----------------------------------------
-    def join(self, rank: int | None = None, name: str | None = None) -> int:
-        """Start a new agent and join it to the (dynamic) world, as ``init_rpc(name, rank,
-        world_size=None)`` does; return its rank. A rank given that was killed or left
-        restarts that member under its name: a new incarnation."""
+    def join(self, rank: int | None = None, name: str | None = None, store: Any = None) -> int:
+        """Start a new agent and join it to the (dynamic) world through the world's store, as
+        ``init_rpc(name, rank, world_size=None)`` does; return its rank. A rank given that was
+        killed or left restarts that member under its name: a new incarnation. ``store`` is the
+        store this joiner talks to (default: the world's; a test may wrap it)."""
         rank = self.size if rank is None else rank
         if rank < self.size and rank in self.alive():
             raise ValueError(f"rank {rank} is a running member of the world")
@@ -172,14 +180,9 @@ class World:
             self.agents.append(agent)
         self._killed.discard(rank)
         self._left.discard(rank)
-        members = [self.agents[r] for r in self.alive() if r != rank]
-        workers = [m.worker_info for m in members]
-        addresses = {m.worker_info.id: m.address for m in members if m.address is not None}
-        addresses[rank] = address
-        record = address_record(agent.worker_info, address, False)
-        self.run_on(
-            rank, lambda: announce_join(agent, workers, addresses, record, options.rpc_timeout)
-        )
+        store = self.store if store is None else store
+        agent.keepalive.append(store)
+        self.run_on(rank, lambda: join_group(agent, store, address, False, options.rpc_timeout))
         return rank
 
     def leave(self, rank: int) -> None:
@@ -235,14 +238,15 @@ def _stacks(idents: set[int | None]) -> str:
 def open_world(
     world_size: int,
     *,
-    options: TensorPipeRpcBackendOptions | None = None,
+    options: TensorPipeRpcBackendOptions | Sequence[TensorPipeRpcBackendOptions] | None = None,
     faults: FaultPlan | Iterable[Fault] | None = None,
     timeout: float = 30.0,
     dynamic: bool = False,
 ) -> Iterator[World]:
     """Start ``world_size`` agents named ``worker0`` ... in this process; shut them down on exit.
 
-    ``options`` defaults to :func:`world_options`. With ``faults`` (rules, or a plan), every
+    ``options`` defaults to :func:`world_options` (a sequence: one per rank; their device
+    maps are validated and planned as ``init_rpc`` does). With ``faults`` (rules, or a plan), every
     worker's transport injects them (``World.faults`` is the plan; an empty list gives a plan
     to add rules to later). ``timeout`` bounds each :meth:`World.run` and the shutdown. With
     ``dynamic``, the agents are those of a dynamic group: :meth:`World.join` adds (or restarts)
@@ -250,6 +254,13 @@ def open_world(
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     options = options if options is not None else world_options()
+    per_rank = (
+        [options] * world_size
+        if isinstance(options, TensorPipeRpcBackendOptions)
+        else list(options)
+    )
+    if len(per_rank) != world_size:
+        raise ValueError(f"{len(per_rank)} options for a world of {world_size}")
     plan = None
     if faults is not None:
         plan = faults if isinstance(faults, FaultPlan) else FaultPlan(faults)
@@ -265,7 +276,7 @@ def open_world(
                 f"worker{rank}",
                 rank,
                 0 if dynamic else world_size,
-                options,
+                per_rank[rank],
                 transport=factory,
                 isolated=True,
                 dynamic=dynamic,
@@ -279,11 +290,24 @@ def open_world(
         workers = [WorkerInfo(f"worker{rank}", rank) for rank in range(world_size)]
         for agent in agents:
             agent.set_peers(workers, addresses)
+        names = [w.name for w in workers]
+        records = {agent.worker_info.name: agent.device_record() for agent in agents}
+        for agent in agents:
+            agent.set_device_plan(plan_devices(agent.worker_info.name, names, records))
+        store = None
+        if dynamic:
+            store = HashStore()
+            write_state(
+                store,
+                {w.id: address_record(w, addresses[w.id], False, records[w.name]) for w in workers},
+            )
+            for agent in agents:
+                agent.keepalive.append(store)
     except BaseException:
         for agent in agents:
             agent.stop(graceful=False)
         raise
-    world = World(agents, network, timeout, plan)
+    world = World(agents, network, timeout, plan, store)
     try:
         yield world
     except BaseException:

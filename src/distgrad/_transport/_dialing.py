@@ -16,6 +16,7 @@ from ._base import PeerAddress, TransportConfig
 from ._connection import Connection
 from ._handshake import PeerClosedHandshake, client_handshake
 from ._io import IoThread
+from ._suspicion import PeerVerdicts
 
 __all__ = ["Dialing"]
 
@@ -25,8 +26,6 @@ _SOCKET_BUFFER = 4 * 1024 * 1024
 # accept backlog (EAGAIN on a Unix socket, which a flooding local process can cause), a
 # timeout, an unreachable network -- fails the call that was connecting, never the peer.
 _REFUSED = frozenset({errno.ECONNREFUSED})
-# After a connect to a suspected peer failed without proof, calls within this long fail at once
-_RETRY_AFTER = 0.5
 # Connect errors that say nothing about the peer; retried after these pauses.
 _TRANSIENT_CONNECT_ERRORS = frozenset(
     {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ENOBUFS, errno.EADDRNOTAVAIL}
@@ -44,9 +43,7 @@ class Dialing:
     _label: Callable[[int], str]
     _peers: dict[int, PeerAddress]
     _conns: set[Connection]
-    _dead: dict[int, PeerFailureError]
-    _suspected: dict[int, PeerFailureError]
-    _unreachable: dict[int, tuple[float, PeerFailureError]]
+    _verdicts: PeerVerdicts
     _opened: int
 
     if TYPE_CHECKING:  # (SocketTransport's)
@@ -101,7 +98,7 @@ class Dialing:
         cfg = self.config
         local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
         # a suspected peer may be frozen or cut off: do not wait longer than its silence took
-        suspected = rank in self._suspected
+        suspected = self._verdicts.is_suspected(rank)
         connect_timeout = cfg.connect_timeout
         handshake_timeout = cfg.handshake_timeout
         if suspected:
@@ -132,15 +129,14 @@ class Dialing:
                     time.sleep(delay)
                     continue
                 failure = _handshake_failure(label, exc, attempt if cut_short else 0)
-                if suspected and isinstance(failure, PeerFailureError):
+                if isinstance(failure, PeerFailureError):
                     # (a frozen peer: its kernel accepts the connection, the process is silent)
-                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, failure)
+                    self._verdicts.reconnect_failed(rank, failure)
                 raise failure from exc
         if not self.note_incarnation(rank, incarnation):
             sock.close()
             raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
-        self._suspected.pop(rank, None)  # back: it answered a fresh handshake
-        self._unreachable.pop(rank, None)
+        self._verdicts.answered(rank)  # back: it answered a fresh handshake
         conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
         conn.incarnation = incarnation
         self._conns.add(conn)
@@ -157,15 +153,14 @@ class Dialing:
         except OSError as exc:
             if exc.errno in _REFUSED:  # proof: nothing listens there any more
                 error = PeerFailureError(f"could not connect to {label}: {exc}", label)
-                self._dead.setdefault(rank, error)
+                self._verdicts.prove_dead(rank, error)
             else:  # says nothing about the peer: this call fails, the next one tries again
                 error = PeerFailureError(
                     f"could not connect to {label}: {exc} (not presumed dead: a later call "
                     "connects again)",
                     label,
                 )
-                if rank in self._suspected:
-                    self._unreachable[rank] = (time.monotonic() + _RETRY_AFTER, error)
+                self._verdicts.reconnect_failed(rank, error)
             raise error from exc
         return sock, not local
 

@@ -8,10 +8,12 @@ tensor table, the frame limits and the threads a message crosses are those of a 
 Frames on one link keep their order; a link to the worker itself is an ordinary link
 (``_inmemory_link``).
 
-Failure behaves as with sockets: closing one end of a link is seen by the other as an end of
-stream, orderly after a ``GOODBYE``, a death otherwise; a worker whose transport is closed
-refuses new links (a refused connection: it is dead); links that stay silent past
-``peer_timeout`` are closed by the heartbeat check, and idle links send heartbeats.
+Failure behaves as with sockets, judged by the same logic (``_suspicion``): closing one end of
+a link is seen by the other as an end of stream -- proof of death after a ``GOODBYE``, a
+suspicion otherwise -- unless nothing listens at the peer's address any more (what a reconnect
+would prove at once: it is dead); a worker whose transport is closed refuses new links (a
+refused connection: it is dead); links that stay silent past ``peer_timeout`` are closed by the
+heartbeat check (a late tick judges no one), and idle links send heartbeats.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ._base import (
 )
 from ._inmemory_link import MemoryLink
 from ._io import IoThread
+from ._suspicion import HeartbeatJudge, PeerVerdicts
 
 __all__ = ["MemoryLink", "MemoryNetwork", "MemoryTransport"]
 
@@ -105,9 +108,9 @@ class MemoryTransport:
         self._links: set[MemoryLink] = set()
         self._lock = threading.Lock()  # the tables; never held while taking another's
         self._connect_locks: dict[int, threading.Lock] = {}
-        self._dead: dict[int, PeerFailureError] = {}
-        self._incarnations: dict[int, int] = {}
-        self._retired: set[tuple[int, int]] = set()
+        #: dead and suspected peers, and their incarnations
+        self._verdicts = PeerVerdicts(peer_label, fail_stop=config.fail_stop)
+        self._judge = HeartbeatJudge(config)
         self._heartbeat: asyncio.TimerHandle | None = None
         self._closing = False
         self._accepted = self._opened = self._protocol_errors = 0
@@ -118,7 +121,7 @@ class MemoryTransport:
     def __repr__(self) -> str:
         return (
             f"<MemoryTransport rank={self.config.rank} port={self._port} "
-            f"links={len(self._links)} dead={sorted(self._dead)}>"
+            f"links={len(self._links)} dead={list(self._verdicts.dead_peers())}>"
         )
 
     # -- setup -------------------------------------------------------------------------------------
@@ -136,63 +139,43 @@ class MemoryTransport:
 
     def _start_heartbeats(self) -> None:
         if not self._closing:
-            self._heartbeat = self.io.loop.call_later(self.config.heartbeat_interval, self._beat)
+            delay = self._judge.scheduled(time.monotonic())
+            self._heartbeat = self.io.loop.call_later(delay, self._beat)
 
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         self._peers = dict(peers)
         for rank, address in peers.items():
-            if address.incarnation:
-                self._incarnations.setdefault(rank, address.incarnation)
+            self._verdicts.know_incarnation(rank, address.incarnation)
 
     def add_peer(self, rank: int, address: PeerAddress) -> None:
         with self._lock:
             self._peers[rank] = address
-        if address.incarnation:
-            self.note_incarnation(rank, address.incarnation)
+        if address.incarnation and not self.note_incarnation(rank, address.incarnation):
+            return  # a replaced incarnation: it stays dead
+        self._verdicts.joined(rank)  # a member joining is reachable (as SocketTransport.add_peer)
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself once it has told every member)
-        if not isinstance(error, PeerFailureError):
-            error = PeerFailureError(str(error), self._label(rank))
-        with self._lock:
-            self._dead[rank] = error
+        self._verdicts.departed(rank, error)
 
     def note_incarnation(self, rank: int, incarnation: int) -> bool:
         """As ``SocketTransport.note_incarnation``: False for a replaced incarnation."""
-        if not incarnation:
-            return True
-        with self._lock:
-            if (rank, incarnation) in self._retired:
-                return False
-            known = self._incarnations.get(rank)
-            self._incarnations[rank] = incarnation
-            if known is None or known == incarnation:
-                return True
-            self._retired.add((rank, known))
-            self._dead.pop(rank, None)
-            stale = [k for k in self._links if k.peer == rank and k.incarnation == known]
-        label = self._label(rank)
-        failure = PeerFailureError(
-            f"{label} restarted: its incarnation {known:016x} was replaced by {incarnation:016x}; "
-            "what depended on the old one (calls in flight, RRefs it owned, contexts it took "
-            "part in) is lost",
-            label,
-        )
-        for link in stale:
-            link.close(failure)
-        return True
+        accepted, restarted = self._verdicts.note_incarnation(rank, incarnation)
+        if restarted is not None:
+            with self._lock:
+                stale = [k for k in self._links if k.peer == rank and not self.is_current(k)]
+            for link in stale:
+                link.close(restarted)
+        return accepted
 
     def is_current(self, link: MemoryLink) -> bool:
         """Whether ``link`` belongs to the incarnation known now for its peer."""
-        return not link.incarnation or self._incarnations.get(link.peer) in (
-            None,
-            link.incarnation,
-        )
+        return self._verdicts.is_current(link.peer, link.incarnation)
 
     # -- outgoing ----------------------------------------------------------------------------------
     def connection(self, rank: int) -> MemoryLink:
         link = self._out.get(rank)
-        if link is not None and not link.closed:
+        if link is not None and not link.closed and not self._verdicts.is_dead(rank):
             return link
         with self._lock:
             connecting = self._connect_locks.setdefault(rank, threading.Lock())
@@ -224,7 +207,7 @@ class MemoryTransport:
         )
         if theirs is None:  # nobody listens there any more: a refused connection
             error = PeerFailureError(f"could not connect to {label}: connection refused", label)
-            self._dead.setdefault(rank, error)
+            self._verdicts.prove_dead(rank, error)
             raise error
         assert peer is not None
         mine.incarnation = peer.config.incarnation
@@ -232,6 +215,7 @@ class MemoryTransport:
             theirs.close(None)
             raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
         mine.other = theirs
+        self._verdicts.answered(rank)  # back: it accepted a fresh link
         return mine
 
     def _accept(self, dialing: MemoryLink, rank: int, incarnation: int) -> MemoryLink | None:
@@ -250,12 +234,14 @@ class MemoryTransport:
             return link
 
     def is_dead(self, rank: int) -> bool:
-        return rank in self._dead
+        return self._verdicts.is_dead(rank)
+
+    def is_suspected(self, rank: int) -> bool:
+        """True while ``rank`` is suspected: its last link was lost without proof."""
+        return self._verdicts.is_suspected(rank)
 
     def check_alive(self, rank: int) -> None:
-        dead = self._dead.get(rank)
-        if dead is not None:
-            raise PeerFailureError(str(dead), dead.peer)
+        self._verdicts.check_alive(rank)
 
     # -- events (I/O thread) -----------------------------------------------------------------------
     def _on_closed(self, link: MemoryLink, error: Exception | None) -> None:
@@ -272,16 +258,17 @@ class MemoryTransport:
         if not self.is_current(link):  # the peer restarted: its new incarnation is not judged
             self.handler.on_connection_lost(link, failure, peer_dead=True)
             return
-        if (
-            not broken_protocol
-            and not link.write_failed
-            and (link.goodbye_received or self.config.fail_stop or not self._listening(link.peer))
-        ):
-            # it shut down, or nothing listens at its address (what a reconnect would prove)
-            self._dead.setdefault(link.peer, failure)
-        # (otherwise the peer is suspected, as over sockets: what waited on it fails, and the
-        # next send connects again)
-        self.handler.on_connection_lost(link, failure, peer_dead=not broken_protocol)
+        peer_dead = self._verdicts.link_lost(
+            link.peer,
+            failure,
+            protocol_error=broken_protocol,
+            goodbye=link.goodbye_received,
+            # what a reconnect would prove at once (a reset link -- a failed write -- proves
+            # nothing of its own)
+            nobody_listens=not link.write_failed and not self._listening(link.peer),
+            superseded=self._out.get(link.peer) is not None,
+        )
+        self.handler.on_connection_lost(link, failure, peer_dead=peer_dead)
 
     def _listening(self, rank: int) -> bool:
         """Whether the agent at ``rank``'s address still listens (a connect would not be
@@ -292,33 +279,28 @@ class MemoryTransport:
         return self.network._lookup(address.port) is not None
 
     def _beat(self) -> None:
-        config = self.config
-        if self.paused:  # a frozen worker neither beats nor checks on its peers
-            self._heartbeat = self.io.loop.call_later(config.heartbeat_interval, self._beat)
-            return
+        judge = self._judge
         now = time.monotonic()
+        if self.paused:  # a frozen worker neither beats nor checks on its peers
+            self._heartbeat = self.io.loop.call_later(judge.scheduled(now), self._beat)
+            return
+        judging = judge.tick(now)  # (a late tick: this process stalled; it judges no one)
         for link in list(self._links):
             if link.closed:
                 continue
-            silent = now - link.last_recv
-            if silent > config.peer_timeout:
-                link.close(
-                    PeerFailureError(
-                        f"{link.peer_label} sent nothing for {silent:.1f}s "
-                        f"(peer timeout {config.peer_timeout:g}s); it is suspected: what "
-                        "waited on it fails, a later call connects again",
-                        link.peer_label,
-                    )
-                )
+            error = judge.silent(link.peer_label, link.last_recv, now) if judging else None
+            if error is not None:
+                link.close(error)
                 continue
             try:
                 link.flush_later()
-                if now - link.last_send >= config.heartbeat_interval * 0.5:
+                if judge.wants_heartbeat(link.last_send, now):
                     link.send_bytes(_HEARTBEAT)
             except PeerFailureError:
                 pass
         if not self._closing:
-            self._heartbeat = self.io.loop.call_later(config.heartbeat_interval, self._beat)
+            delay = judge.scheduled(time.monotonic())
+            self._heartbeat = self.io.loop.call_later(delay, self._beat)
 
     # -- fault injection -------------------------------------------------------------------------
     def sever(self, rank: int) -> None:
@@ -327,7 +309,7 @@ class MemoryTransport:
         error = PeerFailureError(f"the connection to {label} was severed", label)
         with self._lock:
             links = [link for link in self._links if link.peer == rank]
-            self._dead.setdefault(rank, error)  # at once: the next send must not reconnect
+            self._verdicts.prove_dead(rank, error)  # at once: the next send must not reconnect
         for link in links:
             link.close(error)
 
@@ -400,5 +382,6 @@ class MemoryTransport:
             connections_opened=self._opened,
             handshakes_failed=0,
             protocol_errors=self._protocol_errors,
-            dead_peers=tuple(sorted(self._dead)),
+            dead_peers=self._verdicts.dead_peers(),
+            stalls=self._judge.stalls,
         )

@@ -9,20 +9,15 @@ back on the connection their request went out on. Every connection starts with t
 authenticated handshake (``_handshake``), under TLS first when TLS is configured and the
 connection is TCP.
 
-A peer is *suspected*, not condemned, when a connection to it breaks without its goodbye or
-stays silent past ``peer_timeout``: the owner is told (so it fails what was waiting on that
-connection, and the backward passes waiting on the peer), but the next send to it connects
-again, with a fresh handshake, and succeeds if the peer is back (a frozen process, a healed
-partition). A peer is *dead* only on proof: a refused connect (nothing listens there), its
-goodbye (it shut down), or (``fail_stop``) any loss at all, torch's and distgrad's old
-behaviour; every later send to a dead peer fails at once. A connect that fails without proof
-(a timeout, a backlog filled by a flooding local process) fails that call only, and calls in
-the next moment (``_RETRY_AFTER``) fail at once with the same error rather than each waiting
-for a connect to an unreachable host. Before a connection is judged silent, its socket is
-peeked: data waiting there means this process, not the peer, was not running; and a heartbeat
-tick that comes late (this process stalled: SIGSTOP, a long GC or GIL hold) judges no one.
-A connection closed for a protocol error (a malformed or oversized frame) is dropped alone:
-the calls waiting on it fail, but the peer is not even suspected.
+What the transport believes of each peer -- suspected, unreachable for a moment, dead -- and
+when a heartbeat tick may judge a silent peer are ``_suspicion``'s, shared with the in-memory
+transport: a peer is *suspected*, not condemned, when a connection to it breaks without its
+goodbye or stays silent past ``peer_timeout`` (the agent fails what waited on it, the next send
+connects again, with a fresh handshake); it is *dead* only on proof (a refused connect, its
+goodbye, or with ``fail_stop`` any loss). A connect that fails without proof (a timeout, a
+backlog filled by a flooding local process) fails that call only. Before a connection is judged
+silent, its socket is peeked: data waiting there means this process, not the peer, was not
+running.
 """
 
 from __future__ import annotations
@@ -53,6 +48,7 @@ from ._connection import Connection
 from ._dialing import Dialing
 from ._io import IoThread
 from ._loopback import LoopbackConnection
+from ._suspicion import HeartbeatJudge, PeerVerdicts
 
 __all__ = [
     "LoopbackConnection",
@@ -64,8 +60,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("distgrad.transport")
-# A heartbeat tick later than this (and than one interval) means this process stalled
-_STALL = 0.5
 
 
 def host_identity() -> str:
@@ -104,14 +98,9 @@ class SocketTransport(Accepting, Dialing):
         self._conns: set[Connection] = set()
         self._connect_locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._dead: dict[int, PeerFailureError] = {}
-        #: the incarnation known for each rank, and those it replaced (never accepted again)
-        self._incarnations: dict[int, int] = {}
-        self._retired: set[tuple[int, int]] = set()
-        #: peers whose connection was lost without proof of death (rank -> the error)
-        self._suspected: dict[int, PeerFailureError] = {}
-        #: a failed reconnect to a suspected peer: (until when calls fail at once, the error)
-        self._unreachable: dict[int, tuple[float, PeerFailureError]] = {}
+        #: dead, suspected and unreachable peers, and their incarnations
+        self._verdicts = PeerVerdicts(peer_label, fail_stop=config.fail_stop)
+        self._judge = HeartbeatJudge(config)
         self._listeners: list[socket.socket] = []
         self._handshakes: set[asyncio.Task[None]] = set()
         # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
@@ -119,9 +108,6 @@ class SocketTransport(Accepting, Dialing):
         self._silent: dict[asyncio.Task[None], socket.socket] = {}
         self._shed: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
-        self._beat_due = 0.0  # when the next heartbeat tick should run (time.monotonic())
-        self._skipped_judging = False
-        self._stalls = 0  # ticks that found this process had not been running
         self._closing = False
         self._accepted = self._opened = self._failed_handshakes = self._protocol_errors = 0
         self._bytes_read_directly = 0
@@ -157,87 +143,60 @@ class SocketTransport(Accepting, Dialing):
         loop = asyncio.get_running_loop()
         for listener in self._listeners:
             loop.add_reader(listener.fileno(), self._on_accept, listener)
-        self._beat_due = time.monotonic() + self.config.heartbeat_interval
-        self._heartbeat = loop.call_later(self.config.heartbeat_interval, self._beat)
+        self._heartbeat = loop.call_later(self._judge.scheduled(time.monotonic()), self._beat)
 
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
         self._peers = dict(peers)
         for rank, address in peers.items():
-            if address.incarnation:
-                self._incarnations.setdefault(rank, address.incarnation)
+            self._verdicts.know_incarnation(rank, address.incarnation)
 
     def add_peer(self, rank: int, address: PeerAddress) -> None:
         self._peers[rank] = address
-        if address.incarnation:
-            self.note_incarnation(rank, address.incarnation)
+        if address.incarnation and not self.note_incarnation(rank, address.incarnation):
+            return  # a replaced incarnation: it stays dead
+        self._verdicts.joined(rank)  # a member joining is reachable
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself, with a goodbye, once it has told
         # every member -- the request that tells this one is answered on one of them)
-        label = self._label(rank)
-        if not isinstance(error, PeerFailureError):
-            error = PeerFailureError(str(error), label)
-        self._dead[rank] = error
-        self._suspected.pop(rank, None)
-        self._unreachable.pop(rank, None)
+        self._verdicts.departed(rank, error)
 
     def note_incarnation(self, rank: int, incarnation: int) -> bool:
         """Record the incarnation a peer of ``rank`` presented; False for one it replaced
         (a connection of it must be dropped). Another one than the one known is a new
         incarnation: the old one is dead (its connections close, naming it), the new one is
         reachable."""
-        if not incarnation:
-            return True
-        if (rank, incarnation) in self._retired:
-            return False
-        known = self._incarnations.get(rank)
-        self._incarnations[rank] = incarnation
-        if known is None or known == incarnation:
-            return True
-        self._retired.add((rank, known))
-        label = self._label(rank)
-        failure = PeerFailureError(
-            f"{label} restarted: its incarnation {known:016x} was replaced by {incarnation:016x}; "
-            "what depended on the old one (calls in flight, RRefs it owned, contexts it took "
-            "part in) is lost",
-            label,
-        )
-        self._dead.pop(rank, None)
-        self._suspected.pop(rank, None)
-        self._unreachable.pop(rank, None)
-        for conn in [c for c in self._conns if c.peer == rank and c.incarnation == known]:
-            conn.close(failure)
-        return True
+        accepted, restarted = self._verdicts.note_incarnation(rank, incarnation)
+        if restarted is not None:
+            for conn in [c for c in self._conns if c.peer == rank and not self.is_current(c)]:
+                conn.close(restarted)
+        return accepted
 
     def is_current(self, conn: Connection) -> bool:
         """Whether ``conn`` belongs to the incarnation known now for its peer."""
-        return not conn.incarnation or self._incarnations.get(conn.peer) in (None, conn.incarnation)
+        return self._verdicts.is_current(conn.peer, conn.incarnation)
 
     # -- outgoing --------------------------------------------------------------------------------
     def connection(self, rank: int) -> Connection | LoopbackConnection:
-        """The connection for sending to ``rank``, opened (blocking) on first use."""
+        """The connection for sending to ``rank``, opened (blocking) on first use. A rank known
+        dead (or gone from the group: its links stay open until it closes them) fails at once."""
         conn = self._out.get(rank)
-        if conn is not None and not conn.closed:
+        if conn is not None and not conn.closed and not self._verdicts.is_dead(rank):
             return conn
         return self._connect(rank)
 
     def is_dead(self, rank: int) -> bool:
         """True once ``rank`` is known to be dead (every later send to it fails)."""
-        return rank in self._dead
+        return self._verdicts.is_dead(rank)
 
     def is_suspected(self, rank: int) -> bool:
         """True while ``rank`` is suspected: its last connection was lost without proof."""
-        return rank in self._suspected
+        return self._verdicts.is_suspected(rank)
 
     def check_alive(self, rank: int) -> None:
         """Raise the peer's failure if it is known to be dead, or if a reconnect to it failed a
         moment ago."""
-        dead = self._dead.get(rank)
-        if dead is not None:
-            raise PeerFailureError(str(dead), dead.peer)
-        unreachable = self._unreachable.get(rank)
-        if unreachable is not None and time.monotonic() < unreachable[0]:
-            raise PeerFailureError(str(unreachable[1]), unreachable[1].peer)
+        self._verdicts.check_alive(rank)
 
     def _connect(self, rank: int) -> Connection | LoopbackConnection:
         with self._locks_guard:
@@ -258,9 +217,9 @@ class SocketTransport(Accepting, Dialing):
 
     # -- callbacks from connections ---------------------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        incarnation = conn.incarnation
-        if incarnation and self._incarnations.get(conn.peer) not in (None, incarnation):
-            return  # a frame of a replaced incarnation (its connection is closing): is_current
+        incarnation = conn.incarnation  # (is_current, inline: this runs for every frame)
+        if incarnation and self._verdicts.incarnations.get(conn.peer) not in (None, incarnation):
+            return  # a frame of a replaced incarnation (its connection is closing)
         self._handler.on_frame(conn, frame)
 
     def deliver(self, conn: LoopbackConnection, frame: Frame) -> None:
@@ -284,53 +243,40 @@ class SocketTransport(Accepting, Dialing):
         if not self.is_current(conn):  # the peer restarted: its new incarnation is not judged
             self._handler.on_connection_lost(conn, failure, peer_dead=True)
             return
-        if not broken_protocol:
-            if conn.goodbye_received or self.config.fail_stop:
-                self._dead.setdefault(conn.peer, failure)  # it shut down: proof
-            elif self._out.get(conn.peer) is None:  # (a newer connection: it answered since)
-                self._suspected[conn.peer] = failure
+        peer_dead = self._verdicts.link_lost(
+            conn.peer,
+            failure,
+            protocol_error=broken_protocol,
+            goodbye=conn.goodbye_received,
+            nobody_listens=False,  # (a socket learns that only by connecting: a refusal)
+            superseded=self._out.get(conn.peer) is not None,
+        )
         # (what waited on the peer fails either way; only the dead stay unreachable)
-        self._handler.on_connection_lost(conn, failure, peer_dead=not broken_protocol)
+        self._handler.on_connection_lost(conn, failure, peer_dead=peer_dead)
 
     # -- heartbeats ------------------------------------------------------------------------------
     def _beat(self) -> None:
-        cfg = self.config
+        judge = self._judge
         now = time.monotonic()
-        # A tick far behind its time means this process was not running (stopped, a C call
-        # holding the GIL, a stalled host): what its peers sent meanwhile still waits, unread,
-        # in the sockets (libuv runs due timers before it polls), and their silence is this
-        # process's own. Such a tick only sends; the loop reads what waits, and the next tick
-        # judges (never two ticks in a row skip, so a dead peer is still found, one interval
-        # later at most).
-        late = now - self._beat_due
-        judge = late < max(cfg.heartbeat_interval, _STALL) or self._skipped_judging
-        self._skipped_judging = not judge
-        if not judge:
-            self._stalls += 1
+        judging = judge.tick(now)  # (a late tick: this process stalled; it judges no one)
         heartbeat = encode_frame(Kind.HEARTBEAT, 0)
         for conn in list(self._conns):
             if conn.closed:
                 continue
-            silent = now - conn.last_recv
-            if judge and silent > cfg.peer_timeout and not conn.readable_now():
-                error = PeerFailureError(
-                    f"{conn.peer_label} sent nothing for {silent:.1f}s "
-                    f"(peer timeout {cfg.peer_timeout:g}s); it is suspected: what "
-                    "waited on it fails, a later call connects again",
-                    conn.peer_label,
-                )
+            error = judge.silent(conn.peer_label, conn.last_recv, now) if judging else None
+            if error is not None and not conn.readable_now():
                 _log.warning("%s", error)
                 conn.close(error)
                 continue
             try:
                 conn.flush_later()  # frames that waited for a write that did not come
-                if now - conn.last_send >= cfg.heartbeat_interval * 0.5:
+                if judge.wants_heartbeat(conn.last_send, now):
                     conn.send(heartbeat)
             except PeerFailureError:
                 pass
         if not self._closing:
-            self._beat_due = time.monotonic() + cfg.heartbeat_interval
-            self._heartbeat = self._io.loop.call_later(cfg.heartbeat_interval, self._beat)
+            delay = judge.scheduled(time.monotonic())
+            self._heartbeat = self._io.loop.call_later(delay, self._beat)
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self, graceful: bool, timeout: float = 5.0) -> None:
@@ -370,7 +316,7 @@ class SocketTransport(Accepting, Dialing):
         both sides take the other for dead."""
         label = self._label(rank)
         error = PeerFailureError(f"the connection to {label} was severed", label)
-        self._dead.setdefault(rank, error)  # at once: the next send must not reconnect
+        self._verdicts.prove_dead(rank, error)  # at once: the next send must not reconnect
         for conn in [c for c in list(self._conns) if c.peer == rank]:
             conn.close(error)
 
@@ -381,10 +327,10 @@ class SocketTransport(Accepting, Dialing):
             connections_opened=self._opened,
             handshakes_failed=self._failed_handshakes,
             protocol_errors=self._protocol_errors,
-            dead_peers=tuple(sorted(self._dead)),
+            dead_peers=self._verdicts.dead_peers(),
             bytes_read_directly=self._bytes_read_directly
             + sum(c.bytes_read_directly for c in list(self._conns)),
-            stalls=self._stalls,
+            stalls=self._judge.stalls,
         )
 
 

@@ -10,19 +10,16 @@ from typing import Any
 import numpy
 import torch
 
+from .._errors import ProtocolError
+
 __all__ = ["allocate_buffer"]
 
 
-def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
-    """A writable view of the ``nbytes`` at ``tensor.data_ptr()``; it keeps the storage alive."""
+def _storage_bytes(storage: torch.UntypedStorage, nbytes: int) -> memoryview:
+    """A writable view of a storage's first ``nbytes`` bytes; it keeps the storage alive."""
     if nbytes == 0:
         return memoryview(b"")
-    as_bytes = torch.empty(0, dtype=torch.uint8).set_(
-        tensor.untyped_storage(),
-        tensor.storage_offset() * tensor.element_size(),
-        (nbytes,),
-        (1,),
-    )
+    as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     return memoryview(as_bytes.numpy())  # type: ignore[arg-type]
 
 
@@ -70,18 +67,81 @@ def _buffer_tensor(buf: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _rebuild_tensor(
-    buf: Any,
-    dtype: torch.dtype,
+def _rebuild_storage(buf: Any) -> torch.Tensor:
+    """The bytes of one sent storage, as a uint8 tensor over the received memory (the views
+    of the message that share it are rebuilt on it by :func:`_rebuild_view`)."""
+    return _buffer_tensor(buf)
+
+
+#: the lazy bits a received view may carry (torch's conjugate and negative views)
+_CONJ = 1
+_NEG = 2
+_set_conj: Any = torch._C._set_conj  # type: ignore[attr-defined]
+_set_neg: Any = torch._C._set_neg  # type: ignore[attr-defined]
+
+#: a received view's dimensions are bounded before any work is done on them
+_MAX_DIMS = 1024
+
+
+def _rebuild_view(
+    storage: torch.Tensor,  # the message's bytes of the storage, or a tensor received on it
+    dtype: int | torch.dtype,
     size: tuple[int, ...],
     stride: tuple[int, ...],
+    offset: int,
     requires_grad: bool,
+    bits: int = 0,
 ) -> torch.Tensor:
-    storage = _buffer_tensor(buf).untyped_storage()
-    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, size, stride)
+    """A tensor on a received storage with the sender's sizes, strides and storage offset,
+    after checking that they stay inside that storage (a malformed or hostile frame must not
+    make a view of memory it did not send); ``bits``: its lazy conjugate (``_CONJ``) and
+    negative (``_NEG``) bits, as torch keeps them."""
+    kind: Any = dtype
+    if type(dtype) is int and 0 <= dtype < len(_TORCH_OF_CODE):
+        kind = _TORCH_OF_CODE[dtype]
+    if not isinstance(kind, torch.dtype):
+        raise ProtocolError(f"received tensor has no valid dtype: {dtype!r}")
+    untyped = storage.untyped_storage()
+    _check_view(untyped.nbytes(), kind.itemsize, size, stride, offset)
+    if type(bits) is not int or not 0 <= bits <= _CONJ | _NEG:
+        raise ProtocolError(f"received tensor has invalid view bits: {bits!r}")
+    tensor = torch.empty(0, dtype=kind).set_(untyped, offset, size, stride)
+    if bits:
+        if bits & _CONJ and not kind.is_complex:
+            raise ProtocolError(f"received tensor of {kind} is marked conjugate")
+        _set_conj(tensor, bool(bits & _CONJ))
+        _set_neg(tensor, bool(bits & _NEG))
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
+
+
+def _check_view(nbytes: int, itemsize: int, size: Any, stride: Any, offset: Any) -> None:
+    """Raise :class:`ProtocolError` unless ``size``/``stride``/``offset`` (from the wire) are
+    non-negative integers describing a view inside ``nbytes`` bytes of elements of
+    ``itemsize`` bytes."""
+    if (
+        type(size) is not tuple
+        or type(stride) is not tuple
+        or len(size) != len(stride)
+        or len(size) > _MAX_DIMS
+        or type(offset) is not int
+        or offset < 0
+        or any(type(n) is not int or n < 0 for n in size)
+        or any(type(s) is not int or s < 0 for s in stride)
+    ):
+        raise ProtocolError(
+            f"received tensor view is malformed: size {size!r}, stride {stride!r}, "
+            f"offset {offset!r}"
+        )
+    end = offset
+    if 0 not in size:
+        end += 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    if end * itemsize > nbytes:
+        raise ProtocolError(
+            f"received tensor view (size {size}, stride {stride}, offset {offset}) reaches past "
+            f"its storage of {nbytes} bytes"
+        )
 
 
 def _rebuild_array(buf: Any, code: int, size: tuple[int, ...]) -> torch.Tensor:
@@ -94,16 +154,6 @@ def _rebuild_array(buf: Any, code: int, size: tuple[int, ...]) -> torch.Tensor:
 def _rebuild_array_grad(buf: Any, code: int, size: tuple[int, ...]) -> torch.Tensor:
     """:func:`_rebuild_array` for a tensor that requires grad."""
     return _rebuild_array(buf, code, size).requires_grad_(True)
-
-
-def _rebuild_strided(
-    buf: Any, code: int, size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool
-) -> torch.Tensor:
-    """A transposed or expanded view of a numpy dtype, strides kept; about 8 µs, against
-    :func:`_rebuild_tensor`'s 11 (the tensor over the buffer takes its own view)."""
-    tensor = torch.from_numpy(_buffer_array(buf).view(_NUMPY_OF_CODE[code]))
-    tensor.set_(tensor.untyped_storage(), 0, size, stride)
-    return tensor.requires_grad_(True) if requires_grad else tensor
 
 
 def _rebuild_sparse_coo(
@@ -121,13 +171,6 @@ def _rebuild_sparse_coo(
     return tensor
 
 
-def _span(tensor: torch.Tensor) -> int:
-    """Number of elements between the first and the last element the view touches."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-
-
 _NUMPY_DTYPES = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
@@ -135,6 +178,7 @@ _NUMPY_DTYPES = (
 #: The fast path sends a small integer for the dtype, not the pickled ``torch.dtype`` (whose
 #: unpickling looks the name up in ``torch``: about 8 µs of a small message's two ends).
 _CODE_OF_DTYPE: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_NUMPY_DTYPES)}
+_TORCH_OF_CODE: tuple[torch.dtype, ...] = _NUMPY_DTYPES
 _NUMPY_OF_CODE: tuple[numpy.dtype[Any], ...] = tuple(
     torch.empty(0, dtype=dtype).numpy().dtype for dtype in _NUMPY_DTYPES
 )

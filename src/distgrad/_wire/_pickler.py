@@ -5,10 +5,13 @@ A CPU tensor is reduced to its dtype, shape, strides, ``requires_grad`` and one
 copied into the pickle stream. The buffers travel after the stream in the same frame and are
 received into freshly allocated memory that becomes the new tensor's storage.
 
-What is sent for a tensor is the smallest region of its storage that its view spans: a
-contiguous tensor sends exactly ``numel * itemsize`` bytes, a transposed or expanded view is
-sent as the view (strides kept) when its span is at most twice its element count, and any
-other view is made contiguous first, so a small slice never drags a large storage along.
+A tensor that owns exactly its storage (the common case) sends exactly ``numel * itemsize``
+bytes. Any other strided tensor (a view, a slice, a lazy conjugate or negative view) follows
+torch's rule: cloned when its storage is at least 8 KiB and at least twice the bytes the
+tensor uses (so a small slice never drags a large storage along), otherwise sent with its
+whole storage, strides, storage offset and lazy bits kept -- it arrives laid out as it was,
+and views of one storage in one message arrive sharing one storage. The receiver checks
+every view against the storage it received.
 
 Sparse COO tensors travel as their (dense) indices and values. Other layouts and tensor
 subclasses fall back to their own ``__reduce_ex__``, whose inner plain tensors come back
@@ -40,13 +43,14 @@ import torch
 from .._errors import DistgradError
 from ._buffers import (
     _CODE_OF_DTYPE,
+    _CONJ,
+    _NEG,
     _STRIDED,
     _rebuild_array,
     _rebuild_array_grad,
     _rebuild_sparse_coo,
-    _rebuild_strided,
-    _rebuild_tensor,
-    _span,
+    _rebuild_storage,
+    _rebuild_view,
     _storage_bytes,
     allocate_buffer,
 )
@@ -56,20 +60,38 @@ __all__ = [
     "Encoded",
     "allocate_buffer",
     "decode",
+    "deserialize_with_table",
     "dumps",
     "encode",
     "loads",
     "register_reducer",
+    "serialize_with_table",
 ]
 
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
+#: torch's ``kMinRecopyBytes``: a view of a storage this large (and twice its bytes) is cloned
+_RECOPY_BYTES = 8 * 1024
 
 
-DeviceCheck = Callable[[torch.Tensor], torch.Tensor]
+DeviceCheck = Callable[[torch.Tensor], Any]
+"""What routes a tensor of a message by the device maps: called with every tensor not on the
+CPU -- and with CPU tensors too when it has a true ``routes_cpu`` attribute (a map with a
+``cpu`` entry) -- it returns ``None`` (send the tensor as it is, a CPU tensor) or the
+reduction that sends it (its host bytes and the device it lands on), or raises."""
+
 
 # The device policy of the dump in progress on this thread (set by ``dumps``); the reducers are
 # plain functions in a class-level dispatch table, so they find it here.
-_policy = threading.local()
+class _Policy(threading.local):
+    device_check: DeviceCheck | None = None
+    table: list[torch.Tensor] | None = None
+    #: storage address -> what carries its bytes in the dump in progress (see _reduce_view)
+    storages: dict[int, Any] | None = None
+    #: ids of the host tensors inside routed reductions (a routing pickler's dump in progress)
+    staged: set[int] | None = None
+
+
+_policy = _Policy()
 
 
 def _reduce_future(_future: Any) -> Any:
@@ -85,8 +107,16 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         and tensor.is_cpu
         and not (tensor.is_nested or tensor.is_conj() or tensor.is_neg())
         and tensor.is_contiguous()
+        # exactly its storage (so offset 0): a slice goes by torch's rule (_reduce_view)
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
     ):
         requires_grad = tensor.requires_grad
+        shared = _policy.storages
+        if shared is not None and tensor.nbytes:  # another tensor of the message views it?
+            first = shared.get(tensor.data_ptr())
+            if first is not None:
+                return _view_of(first, tensor, code, requires_grad)
+            shared[tensor.data_ptr()] = tensor  # (the pickler's memo keeps it: views refer to it)
         try:
             array = (tensor.detach() if requires_grad else tensor).numpy()
         except (RuntimeError, TypeError):  # anything numpy can't view takes the general path
@@ -96,14 +126,19 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
                 _rebuild_array_grad if requires_grad else _rebuild_array,
                 (pickle.PickleBuffer(array), code, tuple(tensor.shape)),  # type: ignore[arg-type]
             )
-    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views: materialise
-        tensor = tensor.resolve_conj().resolve_neg()
     requires_grad = tensor.requires_grad
     if tensor.device.type != "cpu":
-        device_check: DeviceCheck | None = getattr(_policy, "device_check", None)
+        device_check = _policy.device_check
         if device_check is None:
             return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
-        tensor = device_check(tensor)
+        routed = device_check(tensor)
+        if routed is not None:
+            staged = _policy.staged
+            if staged is not None:  # a routing pickler: its host tensors go as they are
+                staged.update(id(arg) for arg in routed[1] if isinstance(arg, torch.Tensor))
+            return routed
+    if tensor.layout != torch.strided and (tensor.is_conj() or tensor.is_neg()):
+        tensor = tensor.resolve_conj().resolve_neg()  # (a strided one keeps its bits)
     if tensor.layout == torch.sparse_coo:
         # indices and values are dense tensors: they come back through this table
         return (
@@ -118,35 +153,79 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         )
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
         return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
-    tensor = tensor.detach()
-    numel = tensor.numel()
-    span = numel if tensor.is_contiguous() else _span(tensor)
-    if span > 2 * numel:
-        tensor = tensor.contiguous()
-        span = numel
-    if code is not None and numel > 0:  # numpy takes the view: its span, as elements
-        flat = tensor.as_strided((span,), (1,)).numpy()
-        return (
-            _rebuild_strided,
-            (
-                pickle.PickleBuffer(flat),  # type: ignore[arg-type]
-                code,
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-                requires_grad,
-            ),
-        )
-    view = _storage_bytes(tensor, span * tensor.element_size())
-    return (
-        _rebuild_tensor,
-        (
-            pickle.PickleBuffer(view),
-            tensor.dtype,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            requires_grad,
-        ),
+    return _reduce_view(tensor.detach(), code, requires_grad)
+
+
+def _reduce_view(tensor: torch.Tensor, code: int | None, requires_grad: bool) -> Any:
+    """A strided tensor that does not own exactly its storage (a view, a slice, an offset):
+    torch's rule (``cloneSparseTensors`` in torch/csrc/distributed/rpc/utils.cpp) -- cloned
+    when its storage is at least 8 KiB and at least twice the bytes it uses, else sent with
+    its whole storage, strides and offset kept. Views of one storage in one message share one
+    buffer (and so one storage on arrival), as torch's."""
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes >= _RECOPY_BYTES and nbytes >= 2 * tensor.numel() * tensor.element_size():
+        # (torch's: the layout is kept where it is dense; lazy conjugate/negative bits resolved)
+        tensor = tensor.clone()
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+    shared = _policy.storages
+    key = storage.data_ptr()
+    first = shared.get(key) if shared is not None and nbytes else None
+    if first is None:
+        first = _Storage(_storage_bytes(storage, nbytes))
+        if shared is not None and nbytes:
+            shared[key] = first
+    return _view_of(first, tensor, code, requires_grad)
+
+
+def _view_of(
+    first: _Storage | torch.Tensor, tensor: torch.Tensor, code: int | None, requires_grad: bool
+) -> Any:
+    """``tensor`` as a view of the storage that ``first`` carries in this message: the
+    storage's bytes, or a tensor (owning its storage exactly) pickled earlier in it. A lazy
+    conjugate or negative view keeps its bit (the storage holds the unconjugated values)."""
+    args = (
+        first,
+        tensor.dtype if code is None else code,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.storage_offset(),
+        requires_grad,
     )
+    bits = (_CONJ if tensor.is_conj() else 0) | (_NEG if tensor.is_neg() else 0)
+    return (_rebuild_view, (*args, bits) if bits else args)
+
+
+class _Storage:
+    """The bytes of one storage in the message being pickled: pickled once (the pickler's memo
+    keeps the object), however many tensors of the message view it."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+
+
+def _reduce_storage(holder: _Storage) -> Any:
+    return (_rebuild_storage, (pickle.PickleBuffer(holder.buffer),))
+
+
+def _reduce_routed_tensor(tensor: torch.Tensor) -> Any:
+    """A tensor of a message whose device map routes CPU tensors too (a ``cpu`` entry): every
+    tensor asks the map first. Only such messages use it; the others keep the fast path.
+    The host tensors inside a routed reduction go as they are (``_policy.staged``)."""
+    if tensor.device.type == "cpu":
+        staged = _policy.staged
+        check = _policy.device_check
+        assert staged is not None and check is not None  # (set by the routing dump)
+        if id(tensor) in staged:
+            return _reduce_tensor(tensor)
+        routed = check(tensor)
+        if routed is not None:
+            staged.update(id(arg) for arg in routed[1] if isinstance(arg, torch.Tensor))
+            return routed
+    return _reduce_tensor(tensor)
 
 
 def _table_ref(index: int) -> torch.Tensor:
@@ -156,7 +235,8 @@ def _table_ref(index: int) -> torch.Tensor:
 
 def _reduce_tensor_ref(tensor: torch.Tensor) -> Any:
     """Pickling side: put the tensor in the message's table, leave its index in the stream."""
-    table: list[torch.Tensor] = _policy.table
+    table = _policy.table
+    assert table is not None  # (set by _encode for the payload's dump)
     table.append(tensor)
     return (_table_ref, (len(table) - 1,))
 
@@ -166,9 +246,15 @@ _PAYLOAD_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_tabl
 _TABLE_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
 _PAYLOAD_DISPATCH[torch.Tensor] = _reduce_tensor_ref
 _TABLE_DISPATCH[torch.Tensor] = _reduce_tensor
+_PAYLOAD_DISPATCH[_Storage] = _reduce_storage
+_TABLE_DISPATCH[_Storage] = _reduce_storage
+_ROUTED_DISPATCH: dict[type, Callable[[Any], Any]] = dict(copyreg.dispatch_table)
+_ROUTED_DISPATCH[torch.Tensor] = _reduce_routed_tensor
+_ROUTED_DISPATCH[_Storage] = _reduce_storage
 for _future_type in (torch.futures.Future, torch._C.Future):
     _PAYLOAD_DISPATCH[_future_type] = _reduce_future
     _TABLE_DISPATCH[_future_type] = _reduce_future
+    _ROUTED_DISPATCH[_future_type] = _reduce_future
 
 
 def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
@@ -177,6 +263,7 @@ def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
     elsewhere, such as RRefs, whose pickling forks a reference)."""
     _PAYLOAD_DISPATCH[kind] = reducer
     _TABLE_DISPATCH[kind] = reducer
+    _ROUTED_DISPATCH[kind] = reducer
 
 
 class _PayloadPickler(pickle.Pickler):
@@ -185,6 +272,16 @@ class _PayloadPickler(pickle.Pickler):
 
 class _TablePickler(pickle.Pickler):
     dispatch_table = _TABLE_DISPATCH
+
+
+class _RoutedPickler(pickle.Pickler):
+    """A table pickler for messages whose map routes CPU tensors (always a fresh one)."""
+
+    dispatch_table = _ROUTED_DISPATCH
+
+
+def _routes_cpu(device_check: DeviceCheck | None) -> bool:
+    return device_check is not None and getattr(device_check, "routes_cpu", False)
 
 
 def _fresh(
@@ -308,8 +405,7 @@ def encode(
     bytes as out-of-band buffers -- goes in front of the payload stream. Without ``make_ext``
     (no layer above wants to see the tensors: the common case) the message is one stream with
     the tensors' buffers inline, which costs one pickling pass instead of two.
-    ``device_check`` is called with every non-CPU tensor and returns the tensor to send (e.g. a
-    CPU copy) or raises.
+    ``device_check`` routes tensors by the device maps (see :data:`DeviceCheck`).
     """
     if _profiler_enabled():
         return _unrecorded(_encode, obj, make_ext, device_check)
@@ -338,11 +434,15 @@ def _encode(
         if not tensors and ext is None:
             return Encoded(payload, payload_buffers, tensors, 0)
         table: pickle.Pickler
-        if reuse:  # this thread's table pickler comes with its payload pickler
+        if _routes_cpu(device_check):
+            table_file, table_buffers, table = _fresh(_RoutedPickler)
+            _policy.staged = set()
+        elif reuse:  # this thread's table pickler comes with its payload pickler
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
             table_file, table_buffers, table = _fresh(_TablePickler)
         _policy.device_check = device_check
+        _policy.storages = {}
         table.dump((ext, tensors))
         # the table is read first, so its buffers go first
         return Encoded(
@@ -351,6 +451,8 @@ def _encode(
     finally:
         _policy.table = previous
         _policy.device_check = None
+        _policy.staged = None
+        _policy.storages = None
         if reuse:
             cache.release()
 
@@ -391,13 +493,21 @@ def _is_plain(obj: Any) -> bool:
 def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
     if _is_plain(obj):
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
-    file, buffers, pickler, reuse = cache.acquire(table=True)
+    if _routes_cpu(device_check):
+        file, buffers, pickler = _fresh(_RoutedPickler)
+        reuse = False
+        _policy.staged = set()
+    else:
+        file, buffers, pickler, reuse = cache.acquire(table=True)
     _policy.device_check = device_check
+    _policy.storages = {}
     try:
         pickler.dump(obj)
         return Encoded(file.getvalue(), list(buffers), [], 0)
     finally:
         _policy.device_check = None
+        _policy.staged = None
+        _policy.storages = None
         if reuse:
             cache.release()
 
@@ -459,3 +569,43 @@ def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer], int]:
 def loads(meta: bytes | bytearray | memoryview, buffers: Iterable[Any] = (), flags: int = 0) -> Any:
     """Unpickle a stream produced by :func:`dumps` with its received buffers."""
     return decode(meta, buffers, flags)[1]
+
+
+class _TableSerializer(pickle.Pickler):
+    """Messages' reducers (RRefs fork), tensors into a table by index."""
+
+    dispatch_table = _PAYLOAD_DISPATCH
+
+    def __init__(self, file: io.BytesIO, table: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=5)
+        self._table = table
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self._table.append(obj)
+            return len(self._table) - 1
+        return None
+
+
+class _TableDeserializer(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, table: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._table = table
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._table[pid]
+
+
+def serialize_with_table(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """``obj`` as a pickle stream and the tensors it refers to by index (torch's
+    ``rpc.internal.serialize``); objects with message reducers (RRefs) are reduced as in a
+    message."""
+    file = io.BytesIO()
+    table: list[torch.Tensor] = []
+    _TableSerializer(file, table).dump(obj)
+    return file.getvalue(), table
+
+
+def deserialize_with_table(data: bytes, tensors: list[torch.Tensor]) -> Any:
+    """The object :func:`serialize_with_table` made ``(data, tensors)`` of."""
+    return _TableDeserializer(io.BytesIO(data), list(tensors)).load()

@@ -19,6 +19,7 @@ from .._errors import (
     RpcShutdownError,
     RpcTimeoutError,
 )
+from .._profiler import _server as _server_profiler
 from .._rpc import _api as _api_impl
 from .._rpc._api import (
     get_rpc_timeout,
@@ -29,6 +30,7 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
+from .._rpc._core import _agent as _agent_impl
 from .._rpc._core import _options as _options_impl
 from .._rpc._core._events import MembershipEvent
 from .._rpc._core._options import (
@@ -45,11 +47,13 @@ from .._rpc._core._worker_info import WorkerInfo
 from .._rpc._group._membership import add_membership_listener, members, remove_membership_listener
 from .._rpc._rrefs._rref import RRef
 from .._rpc._rrefs._rref_context import context_of as _context_of
-from . import api, backend_registry, constants, functions
+from . import api, backend_registry, constants, functions, internal, options
+from .api import AllGatherStates
 
 __all__ = [
     "AgentState",
     "AgentStatistics",
+    "AllGatherStates",
     "BackendType",
     "BackendValue",
     "DistgradError",
@@ -76,8 +80,10 @@ __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "internal",
     "is_available",
     "members",
+    "options",
     "register_backend",
     "remote",
     "remove_membership_listener",
@@ -91,7 +97,30 @@ _wait_all = _api_impl.wait_all
 _init_rpc_backend = _api_impl.init_rpc_backend
 _is_current_rpc_agent_set = api._is_current_rpc_agent_set
 _get_current_rpc_agent = api._get_current_rpc_agent
+_delete_all_user_and_unforked_owner_rrefs = api._delete_all_user_and_unforked_owner_rrefs
 PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
+#: torch's agent class (programs check ``isinstance`` against the current agent): distgrad's
+#: one agent class, whatever the backend (``FAULTY_TENSORPIPE`` included, as torch's faulty
+#: agent is a ``TensorPipeAgent``)
+TensorPipeAgent = _agent_impl.RpcAgent
+_server_process_global_profile = _server_profiler._server_process_global_profile
+
+
+@_api_impl._require_initialized
+def enable_gil_profiling(flag: bool) -> None:
+    """Turn on (or off) the timing that ``agent.gil_average_wait_time_us`` in the agent's
+    ``get_debug_info()`` / ``get_metrics()`` reports: the average wait, in microseconds, of a
+    request served here between its arrival and a worker thread running Python for it -- the
+    thread's wake-up and its taking of the GIL (torch's ``rpc.enable_gil_profiling``; torch
+    times its C++ threads' GIL acquisitions).
+
+    Args:
+        flag (bool): ``True`` to start (figures reset), ``False`` to stop.
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+    """
+    _get_current_rpc_agent().enable_gil_profiling(flag)
 
 
 def _rref_context_get_debug_info() -> dict[str, str]:

@@ -1,4 +1,9 @@
-"""``distgrad.rpc.api`` (as ``torch.distributed.rpc.api``): the group helpers."""
+"""``distgrad.rpc.api`` (as ``torch.distributed.rpc.api``): the group helpers, and the private
+names of torch's module that libraries call (``_require_initialized``, ``_all_gather``,
+``AllGatherStates``; docs/libraries.md lists them)."""
+
+import threading
+from typing import Any
 
 from .._rpc import _api as _api_impl
 from .._rpc._api import (
@@ -9,6 +14,7 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
+from .._rpc._core import _worker_info
 from .._rpc._core._agent import RpcAgent as _RpcAgent
 from .._rpc._core._agent import current_agent as _current_agent
 from .._rpc._group import _collectives
@@ -23,7 +29,26 @@ _ignore_rref_leak = True
 _wait_all = _api_impl.wait_all
 _all_gather = _collectives.all_gather
 _barrier = _collectives.barrier
+# what the leader of _all_gather calls on each follower (torch's name)
+_broadcast_to_followers = _collectives._broadcast_to_followers
 _wait_all_workers = _collectives.wait_all_workers
+PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
+# names torch's module has too (libraries call ``rpc.api._require_initialized``)
+_require_initialized = _api_impl._require_initialized
+get_rpc_timeout = _api_impl.get_rpc_timeout
+WorkerInfo = _worker_info.WorkerInfo
+
+
+class AllGatherStates:
+    """torch's per-round state of ``_all_gather`` (``gathered_objects``, ``proceed_signal``).
+
+    distgrad's own gather keeps its state elsewhere; this class is here for libraries that
+    build their own gather on top of it (GraphLearn-for-PyTorch's role-based ``all_gather``).
+    """
+
+    def __init__(self) -> None:
+        self.gathered_objects: dict[str, Any] = {}
+        self.proceed_signal = threading.Event()
 
 
 def _is_current_rpc_agent_set() -> bool:

@@ -49,7 +49,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from ... import _config
+from ..._devices._backend import DeviceBackend, install_receiver
+from ..._devices._cuda import CudaBackend
+from ..._devices._maps import DevicePlan, default_devices, maps_from_record, maps_to_record
 from ..._errors import PeerFailureError, RpcShutdownError
 from ..._omp import join_openmp_runtime
 from ..._transport._base import (
@@ -144,6 +149,8 @@ class RpcAgent(Outgoing, Serving):
         #: the random id of this start of the agent (presented in every handshake)
         self.incarnation = int.from_bytes(os.urandom(8), "little") or 1
         self._incarnation_of: dict[int, int] = {rank: self.incarnation}
+        #: incarnations removed from the group (rank, incarnation): never members again
+        self._gone: set[tuple[int, int]] = set()
         #: members that left the group (by name), for errors that name them as departed
         self.departed: dict[str, WorkerInfo] = {}
         #: called (on a callback thread) with every :class:`MembershipEvent`
@@ -166,6 +173,9 @@ class RpcAgent(Outgoing, Serving):
         self._active = 0
         self._active_lock = threading.Lock()
         self._serving_async = 0  # @async_execution requests whose future is pending
+        # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
+        self._gil_profiling = False
+        self._gil_wait = [0.0, 0]  # seconds in all, requests
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
@@ -176,6 +186,63 @@ class RpcAgent(Outgoing, Serving):
 
     def _bind_thread(self) -> None:
         bind_thread(self)
+
+    # -- devices ---------------------------------------------------------------------------------
+    def _chosen_backend(self) -> DeviceBackend | None:
+        """A backend given in the options (``_device_backend``: tests' fakes), if any."""
+        backend: DeviceBackend | None = getattr(self.options, "_device_backend", None)
+        return backend
+
+    def device_record(self) -> dict[str, Any]:
+        """What this worker publishes of its devices at init: its CUDA device count, maps
+        and ``devices`` (validated by every worker as torch does)."""
+        backend = self._chosen_backend() or DeviceBackend()
+        opts = self.options
+        return maps_to_record(backend.device_count(), opts.device_maps, opts.devices)
+
+    @property
+    def device_plan(self) -> DevicePlan:
+        """This worker's device maps after init (requests, responses, devices)."""
+        return self._codec.plan
+
+    def set_device_plan(self, plan: DevicePlan) -> None:
+        """Use ``plan`` (init, or a member joined). The CUDA backend is chosen only when the
+        plan names CUDA devices and CUDA is available: otherwise the CPU one (no-op)."""
+        backend = self._chosen_backend()
+        if backend is None:
+            backend = self._codec.backend
+            wants_cuda = any(d.type == "cuda" for d in plan.devices)
+            if wants_cuda and backend.name == "cpu" and torch.cuda.is_available():
+                # as torch: CUDA's state is set up before any peer sends CUDA tensors here
+                torch.cuda.init()  # type: ignore[no-untyped-call]
+                backend = CudaBackend()
+        if plan.used:
+            install_receiver(backend)
+        self._codec.set_device_plan(plan, backend)
+
+    def _get_device_map(self, to: WorkerInfo) -> dict[torch.device, torch.device]:
+        """torch's ``TensorPipeAgent._get_device_map``: this worker's map to ``to`` (empty:
+        none), what its requests to ``to`` use."""
+        return dict(self._codec.plan.maps.get(to.name, {}))
+
+    def _get_backend_options(self) -> TensorPipeRpcBackendOptions:
+        """torch's ``TensorPipeAgent._get_backend_options``: the options this agent runs with."""
+        return self.options
+
+    def device_member_joined(self, name: str, record: dict[str, Any] | None) -> None:
+        """A member joined a dynamic group (it validated everyone's maps): responses to it
+        use the inverse of its map to this worker, and default devices are derived again
+        (torch's ``_update_group_membership``)."""
+        plan = self._codec.plan
+        _count, maps, _devices = maps_from_record(record)
+        reverse = dict(plan.reverse)
+        mine = maps.get(self.worker_info.name)
+        if mine:
+            reverse[name] = {v: k for k, v in mine.items()}
+        else:
+            reverse.pop(name, None)
+        devices = plan.devices if self.options.devices else default_devices([], plan.maps, reverse)
+        self.set_device_plan(DevicePlan(plan.maps, reverse, devices))
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -226,9 +293,19 @@ class RpcAgent(Outgoing, Serving):
         return self._incarnation_of.get(rank, 0)
 
     def add_member(self, info: WorkerInfo, address: PeerAddress) -> None:
-        """A member joined (or rejoined under its name: a new incarnation)."""
+        """A member joined (or rejoined under its name: a new incarnation). Told twice (a
+        join asked again after an answer was lost), nothing changes; an incarnation that was
+        removed from the group (its join undone by the next holder of the membership token)
+        is refused with ``RuntimeError``."""
         old = self._by_rank.get(info.id)
         known = self._incarnation_of.get(info.id, 0)
+        if (info.id, address.incarnation) in self._gone:
+            raise RuntimeError(
+                f"worker {info.name} (rank {info.id}) incarnation {address.incarnation:016x} "
+                "was removed from the RPC group: it cannot join as a member any more"
+            )
+        if old == info and known == address.incarnation:
+            return
         if old is not None and old.name != info.name:
             self._by_name.pop(old.name, None)
         self._by_name[info.name] = info
@@ -246,7 +323,11 @@ class RpcAgent(Outgoing, Serving):
         calls to it fail at once naming it as departed; contexts it took part in are failed
         and cleaned."""
         info = self._by_rank.get(rank)
-        if info is None or info == self.worker_info:
+        if info == self.worker_info:
+            return
+        if incarnation:
+            self._gone.add((rank, incarnation))
+        if info is None:
             return
         if incarnation and self._incarnation_of.get(rank, incarnation) != incarnation:
             return  # a replaced incarnation says goodbye: the member itself stays
@@ -310,13 +391,30 @@ class RpcAgent(Outgoing, Serving):
         requests whose future has not completed)."""
         pool = self._workers
         busy = pool.busy()
-        return {
+        metrics = {
             "agent.server_active_async_calls": str(self._serving_async),
             "agent.client_active_calls": str(self._active),
             "agent.server_active_calls": str(busy),
             "agent.num_idle_threads": str(max(0, pool.max_threads - busy)),
             "agent.thread_pool_size": str(pool.max_threads),
         }
+        if self._gil_profiling:
+            total, count = self._gil_wait
+            average_us = total / count * 1e6 if count else 0.0
+            metrics["agent.gil_average_wait_time_us"] = f"{average_us:f}"
+        return metrics
+
+    def enable_gil_profiling(self, flag: bool) -> None:
+        """torch's ``rpc.enable_gil_profiling``: with ``flag``, time how long each request
+        served here waits between its arrival and the moment a worker thread runs Python for
+        it -- the thread's wake-up and its taking of the GIL, plus any wait for a free thread
+        -- and report the average since enabling as ``agent.gil_average_wait_time_us`` in
+        :meth:`get_metrics` / :meth:`get_debug_info` (torch times its own GIL acquisitions;
+        in a pure-Python agent this hand-off is where the GIL is waited for). Costs nothing
+        while off; turning it off keeps the figures, turning it on again resets them."""
+        if flag and not self._gil_profiling:
+            self._gil_wait = [0.0, 0]
+        self._gil_profiling = bool(flag)
 
     def get_debug_info(self) -> dict[str, str]:
         """torch's ``RpcAgent.get_debug_info()``: the metrics of :meth:`get_metrics`."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.jit._builtins import _find_builtin as _find_builtin_untyped
+from torch.jit._builtins import _get_builtin_table
 
 from ._pool import ThreadPool
 from ._remote_error import remember_traceback
@@ -23,20 +23,31 @@ __all__ = [
     "RpcFuture",
     "callback_error_message",
     "check_async_result",
+    "failed_future",
     "fresh_copy",
     "is_builtin",
     "set_future_error",
 ]
 
-_find_builtin: Callable[[Any], Any] = _find_builtin_untyped
+#: torch's table of builtin operators by ``id`` (built on first use, then only added to: the
+#: same dict is kept, so a reference to it stays current)
+_builtins: dict[int, Any] | None = None
 
 
 def is_builtin(func: Any) -> bool:
-    """True for torch operators that the reference runs as builtins (e.g. ``torch.add``)."""
-    try:
-        return _find_builtin(func) is not None
-    except Exception:
-        return False
+    """True for torch operators that the reference runs as builtins (e.g. ``torch.add``): what
+    ``torch.jit._builtins._find_builtin`` answers, in one dict lookup."""
+    table = _builtins
+    if table is None:
+        table = _load_builtins()
+    return id(func) in table
+
+
+def _load_builtins() -> dict[int, Any]:
+    global _builtins
+    table: dict[int, Any] = _get_builtin_table()  # type: ignore[no-untyped-call]
+    _builtins = table
+    return table
 
 
 def check_async_result(future: Any) -> Any:
@@ -84,6 +95,15 @@ def set_future_error(future: torch.futures.Future[Any], error: BaseException) ->
     future.set_result(stored)
 
 
+def failed_future(error: BaseException, pools: tuple[ThreadPool, ...] = ()) -> RpcFuture:
+    """An :class:`RpcFuture` that has already failed with ``error`` (``rpc_async`` to a peer
+    known dead: torch fails the future rather than raising at the call)."""
+    future = RpcFuture()
+    future._pools = pools
+    set_future_error(future, error)
+    return future
+
+
 class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
     """The future ``rpc_async`` returns: a ``torch.futures.Future`` whose ``wait()``, on one of
     the agent's threads (a worker thread, or a callback thread running a ``then`` callback),
@@ -93,6 +113,8 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
 
     #: the agent's pools (worker threads, callback threads)
     _pools: tuple[ThreadPool, ...] = ()
+    #: the CUDA devices of a device-aware future (``devices=``), which ``then`` passes on
+    _device_list: list[torch.device] = []
 
     def wait(self) -> Any:
         if self._pools and not self.done():
@@ -115,7 +137,11 @@ class RpcFuture(torch.futures.Future):  # type: ignore[type-arg]
         -- the original exception is its ``__cause__``."""
         if not callable(callback):
             return super().then(callback)  # raises pybind's "then(): incompatible ..." error
-        chained = RpcFuture()
+        if self._device_list:  # completed on the callback's synced streams, events recorded
+            chained = RpcFuture(devices=list[Any](self._device_list))
+            chained._device_list = self._device_list
+        else:
+            chained = RpcFuture()
         chained._pools = self._pools
 
         def run(done: torch.futures.Future[Any]) -> None:

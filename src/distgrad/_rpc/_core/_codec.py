@@ -1,7 +1,9 @@
 """The codec stage: what may be sent to whom. Each agent has one :class:`Codec`; it turns a
-payload into an :class:`~distgrad._wire._pickler.Encoded` message through the pickler, refusing
-tensors not on the CPU (the reference's error) and messages over the sender's or the
-receiver's size limit -- before anything is written."""
+payload into an :class:`~distgrad._wire._pickler.Encoded` message through the pickler, routing
+tensors by the device maps (requests by this worker's map to the peer, responses by the
+inverse of the peer's map to this worker; torch's errors for a tensor no map covers) and
+refusing messages over the sender's or the receiver's size limit -- before anything is
+written."""
 
 from __future__ import annotations
 
@@ -9,21 +11,16 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..._devices._backend import DeviceBackend
+from ..._devices._maps import CPU, DeviceMap, DevicePlan, route
 from ..._errors import MessageTooLargeError
 from ..._transport._base import PeerAddress
 from ..._wire._pickler import Encoded
 from ._options import TensorPipeRpcBackendOptions
 from ._worker_info import WorkerInfo
 
-__all__ = ["UDF_MISSING", "Codec", "DeviceCheck"]
+__all__ = ["UDF_MISSING", "Codec", "DeviceRouter"]
 
-DeviceCheck = Callable[[torch.Tensor], torch.Tensor]
-
-_CPU_ONLY = (
-    "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
-    "CPU before sending them over RPC, or call `set_device_map` on "
-    "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
-)
 UDF_MISSING = (
     "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on "
     "both caller and callee modules."
@@ -43,7 +40,11 @@ class Codec:
         self.options = options
         self._by_rank = by_rank
         self._label = label
-        self._device_checks: dict[tuple[str, int], DeviceCheck] = {}
+        #: this worker's device maps after init (none until then: CPU tensors only)
+        self.plan = DevicePlan()
+        #: what moves and orders tensors on devices (the CPU no-op unless the plan names CUDA)
+        self.backend = DeviceBackend()
+        self._device_checks: dict[tuple[str, int], DeviceRouter] = {}
         self._peer_limits: dict[int, int] = {}  # peers accepting less than this worker
 
     @property
@@ -69,32 +70,33 @@ class Codec:
         else:
             self._peer_limits.pop(rank, None)
 
-    def device_check(self, direction: str, rank: int) -> DeviceCheck:
-        """What the pickler calls for a tensor that is not on the CPU: distgrad moves only CPU
-        tensors (device maps are accepted, not applied yet), so it raises the reference's error
-        for a destination without a device map -- instead of letting torch's own pickling copy
-        the tensor through the CPU and rebuild it on whatever device the receiver has."""
+    def set_device_plan(self, plan: DevicePlan, backend: DeviceBackend) -> None:
+        """Use ``plan``'s maps from now on (init, or a member joined), moved by ``backend``."""
+        self.plan = plan
+        self.backend = backend
+        self._device_checks.clear()
+
+    def device_check(
+        self, direction: str, rank: int, device_map: DeviceMap | None = None
+    ) -> DeviceRouter:
+        """What the pickler calls for the tensors of a message to ``rank``: ``direction`` is
+        ``"Request"`` (this worker's map to the peer) or ``"Response"`` (the inverse of the
+        peer's map to this worker), unless the message brings its own ``device_map`` (a
+        gradient message: the inverse of the map its forward call came with)."""
+        if device_map is not None:
+            return self._router(direction, rank, device_map)
         key = (direction, rank)
         check = self._device_checks.get(key)
         if check is None:
-            info = self._by_rank.get(rank)
-            name = info.name if info is not None else str(rank)
-            mapped = name in self.options.device_maps
-
-            def refuse(tensor: torch.Tensor) -> torch.Tensor:
-                if mapped:
-                    raise RuntimeError(
-                        f"distgrad does not move {tensor.device} tensors over RPC yet: device "
-                        f"maps are accepted but not applied (destination {name}); move the "
-                        "tensor to the CPU before sending it"
-                    )
-                raise RuntimeError(
-                    f"{_CPU_ONLY}{direction} device mapping is not available for destination "
-                    f"{name}, but found tensor on device: {tensor.device}"
-                )
-
-            check = self._device_checks[key] = refuse
+            check = self._device_checks[key] = self._router(direction, rank, None)
         return check
+
+    def _router(self, direction: str, rank: int, device_map: DeviceMap | None) -> DeviceRouter:
+        info = self._by_rank.get(rank)
+        name = info.name if info is not None else str(rank)
+        if device_map is None:
+            device_map = self.plan.map_for(direction, name)
+        return DeviceRouter(direction, name, device_map, self.plan, self.backend)
 
     def check_size(self, encoded: Encoded, dst: int) -> int:
         """Refuse to send what this worker, or the peer (whose limit came with its address),
@@ -114,3 +116,44 @@ class Codec:
                 "bytes (TensorPipeRpcBackendOptions(max_message_size=...))"
             )
         return size
+
+
+class DeviceRouter:
+    """Routes each tensor of one message by one device map (``_maps.route``), staging those
+    that land on a device through the backend; a true ``routes_cpu`` asks the pickler to
+    route CPU tensors too (the map has a ``cpu`` entry)."""
+
+    __slots__ = ("backend", "devices", "direction", "map", "peer", "routes_cpu")
+
+    def __init__(
+        self,
+        direction: str,
+        peer: str,
+        device_map: DeviceMap | None,
+        plan: DevicePlan,
+        backend: DeviceBackend,
+    ) -> None:
+        self.direction = direction
+        self.peer = peer
+        self.map = device_map
+        self.devices = plan.devices
+        self.backend = backend
+        target = device_map.get(CPU) if device_map else None
+        self.routes_cpu = target is not None and target.type != "cpu"
+
+    def __repr__(self) -> str:
+        return f"DeviceRouter({self.direction} to {self.peer}, map={self.map})"
+
+    def __call__(self, tensor: torch.Tensor) -> object:
+        device = tensor.device
+        target = route(device, self.map, self.direction, self.peer)
+        if target is None:
+            return None
+        if self.direction == "Response" and device.type != "cpu" and device not in self.devices:
+            devices = ", ".join(str(d) for d in self.devices)
+            raise RuntimeError(
+                f"RPC detected that a user-function output tensor on device {device}. This "
+                f"device is not one of the input tensor devices: {devices}, which is not yet "
+                "supported. Please file a feature request issue in PyTorch GitHub repo."
+            )
+        return self.backend.stage(tensor, target)

@@ -70,11 +70,14 @@ SendAsync = Callable[..., "torch.futures.Future[object]"]
 class CallRecord(NamedTuple):
     """A message's ``ext``: what the call-recording layer attaches to it (distributed
     autograd: the context the call belongs to, the message's autograd id, the sending
-    worker)."""
+    worker, and -- for a request where this worker has a device map to the callee -- that
+    map, as torch's ``sendMessageWithAutograd`` embeds it: the callee's recv function keeps
+    its inverse and sends the gradients back by it)."""
 
     context_id: int
     message_id: int
     from_worker: int
+    device_map: dict[torch.device, torch.device] | None = None
 
 
 class LayerAgent(Protocol):

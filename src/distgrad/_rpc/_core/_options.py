@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ... import _config
+from ..._devices._maps import DeviceLike, check_one_to_one, to_cuda_device
 from ..._transport._faulty import Fault, FaultPlan
 from ._messages import MESSAGE_TYPES
 
@@ -32,8 +33,6 @@ __all__ = [
     "register_backend",
     "register_faulty_backend",
 ]
-
-DeviceLike = int | str | torch.device
 
 
 class RpcBackendOptions:
@@ -63,13 +62,6 @@ class RpcBackendOptions:
         self.init_method = init_method
 
 
-def _device(d: DeviceLike) -> torch.device:
-    device = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
-    if device.index is not None and device.index < 0:
-        raise RuntimeError("Device index must not be negative")
-    return device
-
-
 class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """Options of distgrad's agent, named as torch's ``TensorPipeRpcBackendOptions`` so that
     torch programs run unchanged; all arguments are keyword-only.
@@ -80,9 +72,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         rpc_timeout (float): default timeout of calls in seconds (60; ``0``: none).
         init_method (str): how workers meet: ``"env://"`` (the default), ``"tcp://host:port"``
             or ``"file:///path"``.
-        device_maps (dict, optional): ``{worker_name: {local_device: remote_device}}``;
-            validated as torch does, not applied (tensors must be on the CPU).
-        devices (list, optional): CUDA devices this worker uses; validated, not applied.
+        device_maps (dict, optional): ``{worker_name: {local_device: remote_device}}``:
+            where this worker's tensors land on each callee (responses come back by the
+            inverse); ``"cpu"`` may appear on either side (docs/cuda.md).
+        devices (list, optional): the CUDA devices this worker uses (default: those its
+            maps and its peers' maps name).
         _transports, _channels: TensorPipe's tuning; accepted and ignored.
         secret (bytes or str, optional): cluster secret for the connection handshake. Default:
             ``$DISTGRAD_SECRET``, else rank 0 generates one and shares it through the
@@ -164,13 +158,15 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             self.set_devices(devices)
 
     def set_device_map(self, to: str, device_map: dict[DeviceLike, DeviceLike]) -> None:
-        """Map this worker's devices to ``to``'s devices, 1-to-1, as torch's method (maps are
-        validated and kept, not applied yet: tensors sent must be on the CPU).
+        """Map this worker's devices to ``to``'s devices, 1-to-1, as torch's method: tensors
+        this worker sends to ``to`` land there on the mapped devices, and ``to``'s responses
+        come back by the inverse map.
 
         Args:
             to (str): the callee's name.
             device_map (dict): ``{this worker's device: the callee's device}``; devices as
-                ``torch.device``, strings (``"cuda:0"``) or CUDA indices.
+                ``torch.device``, strings (``"cuda:0"``, ``"cpu"``) or indices of the
+                current accelerator (as torch: an error on a build without one).
 
         Raises:
             ValueError: the map is not 1-to-1 (with the maps already set for ``to``).
@@ -180,25 +176,20 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             options = rpc.TensorPipeRpcBackendOptions()
             options.set_device_map("worker1", {0: 1})  # this worker's cuda:0 -> worker1's cuda:1
         """
-        current = self.device_maps.setdefault(to, {})
-        reverse = {v: k for k, v in current.items()}
-        for key, value in device_map.items():
-            k, v = _device(key), _device(value)
+        full = check_one_to_one(device_map)
+        current = self.device_maps.get(to, {})
+        for k, v in full.items():
             if k in current and current[k] != v:
                 raise ValueError(
                     "`set_device_map` only supports 1-to-1 mapping, "
                     f"trying to map {k} to {v} and {current[k]}"
                 )
-            if v in reverse and reverse[v] != k:
-                raise ValueError(
-                    "`device_map` only supports 1-to-1 mapping, "
-                    f"trying to map {k} and {reverse[v]} to {v}"
-                )
-            current[k] = v
-            reverse[v] = k
+        # as torch: two sources mapped to one target over two calls pass here, fail at init
+        self.device_maps[to] = {**current, **full}
 
     def set_devices(self, devices: list[DeviceLike]) -> None:
-        """Set the CUDA devices this worker uses, as torch's method (kept, not applied).
+        """Set the CUDA devices this worker uses, as torch's method (its streams are
+        synchronised on them when serving CUDA calls).
 
         Args:
             devices (list): CUDA devices (``torch.device``, ``"cuda:0"`` or an index).
@@ -206,14 +197,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         Raises:
             ValueError: a device that is not a CUDA device.
         """
-        parsed = [_device(d) for d in devices]
-        for device in parsed:
-            if device.type != "cuda":
-                raise ValueError(
-                    "`set_devices` expect a list of CUDA devices, but got device type "
-                    f"{device.type}."
-                )
-        self.devices = parsed
+        self.devices = [to_cuda_device(d) for d in devices]
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..._devices._backend import Process, take_arrivals
+from ..._devices._maps import DeviceMap
 from ..._errors import (
     MAYBE_RUN,
     FrameNotSentError,
@@ -30,7 +32,7 @@ from ..._transport._base import Link, Transport
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _extension, _profiling
+from . import _layer, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -98,13 +100,14 @@ class Outgoing:
         internal: bool,
         force: bool,
         callback: AnswerCallback | None = None,
+        device_map: DeviceMap | None = None,
     ) -> _Call:
         if self.state.stopped:
             raise self._stopped_error("REQUEST")
         assert self._transport is not None
         conn = self._transport.connection(dst.id)
-        extension = _extension.get_extension()
-        check = self._codec.device_check("Request", dst.id)
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
+        check = self._codec.device_check("Request", dst.id, device_map)
         made: list[CallRecord | None] = []  # the extension's ext, once made
         if extension is None or internal or not extension.active():
             extension = None
@@ -113,8 +116,11 @@ class Outgoing:
 
             def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
                 assert extension is not None
-                made.append(extension.outgoing_request(dst.id, tensors, force))
-                return made[-1]
+                record = extension.outgoing_request(dst.id, tensors, force)
+                if record is not None and check.map:  # the forward carries the device map
+                    record = record._replace(device_map=check.map)
+                made.append(record)
+                return record
 
             encoded = encode(payload, make_ext, check)
         size = self._codec.check_size(encoded, dst.id)
@@ -230,7 +236,10 @@ class Outgoing:
         finally:
             if pool is not None:
                 pool.exit_blocking()
-        return self._result(call)
+        result = self._result(call)
+        if Process.seen:  # the caller's current streams wait for what arrived on devices
+            self._codec.backend.join_current(take_arrivals())
+        return result
 
     def call_async(
         self,
@@ -248,7 +257,7 @@ class Outgoing:
             return _profiling.call_async(
                 self.call_async, self.worker_info, dst, func, args, kwargs, timeout, force, internal
             )
-        future = RpcFuture()
+        future = RpcFuture() if self._codec.backend.name == "cpu" else self._device_future()
         future._pools = self._pools
         try:
             call = self._send(
@@ -259,6 +268,12 @@ class Outgoing:
             return future
         if call.timeout > 0:
             self._arm_timeout(call)
+        return future
+
+    def _device_future(self) -> RpcFuture:
+        """The future of a call whose result may hold CUDA tensors: torch's device-aware
+        future over this worker's devices (its ``wait()`` makes the waiter's streams wait)."""
+        future: RpcFuture = self._codec.backend.new_future(RpcFuture, self._codec.plan.devices)
         return future
 
     if TYPE_CHECKING:
@@ -274,21 +289,39 @@ class Outgoing:
         args: tuple[Any, ...],
         on_done: AnswerCallback,
         timeout: float = -1.0,
+        *,
+        device_map: DeviceMap | None = None,
     ) -> None:
         """An internal request with no future: ``on_done(result, error)`` is called where the
         answer arrives -- the I/O thread, normally; the sending thread if the send itself fails
         after the call was registered; the timer when it times out (``timeout`` seconds, -1:
         the default RPC timeout, as torch's gradient messages; 0: none) -- so it must be quick
         and must not block. Raises (and does not call ``on_done``) if the request cannot be
-        sent at all."""
+        sent at all. ``device_map`` routes its tensors instead of this worker's map to ``dst``
+        (a gradient message: the inverse of the map its forward call came with)."""
         info = self.get_worker_info(dst)
         call = self._send(
-            info, (func, args, {}), timeout, None, internal=True, force=False, callback=on_done
+            info,
+            (func, args, {}),
+            timeout,
+            None,
+            internal=True,
+            force=False,
+            callback=on_done,
+            device_map=device_map,
         )
         if call.timeout > 0:
             self._arm_timeout(call)
 
-    def notify(self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False) -> None:
+    def notify(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        *,
+        later: bool = False,
+        device_map: DeviceMap | None = None,
+    ) -> None:
         """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
         nothing (an error there is logged there). The layer above learns of a lost peer through
         the agent's failure detection, not through this call. Raises if it cannot be sent.
@@ -297,12 +330,14 @@ class Outgoing:
         that write's frame), or at the latest with the next heartbeat tick
         (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
         no wake-up of the peer of their own. Such a message is lost if the connection fails
-        before it went out."""
+        before it went out. ``device_map`` as for :meth:`call_internal`."""
         if self.state.stopped:
             raise self._stopped_error("NOTIFY")
         assert self._transport is not None
         conn = self._transport.connection(dst)
-        encoded = encode((func, args))
+        encoded = encode(
+            (func, args), device_check=self._codec.device_check("Request", dst, device_map)
+        )
         self._codec.check_size(encoded, dst)
         info = describe_request(func, args, wrapped=False) if self._describe else None
         if later:
@@ -416,7 +451,7 @@ class Outgoing:
         if frame.kind == Kind.ERROR:
             message, tb, pickled_type = loads(frame.meta)
             raise exception_from_payload(message, tb, pickled_type)
-        extension = _extension.get_extension()
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
         if extension is None or call.internal:
             return decode(frame.meta, frame.buffers, frame.flags)[1]
         peer = call.conn.peer
@@ -434,7 +469,14 @@ class Outgoing:
             result = self._result(call)
         except BaseException as exc:
             set_future_error(future, exc)
-        else:
+            return
+        arrivals = take_arrivals() if Process.seen else None
+        if arrivals is None:
+            future.set_result(result)
+            return
+        # completed under the streams that carried the result: a device-aware future records
+        # its events there, and its wait() makes the waiter's current streams wait on them
+        with self._codec.backend.running_under(arrivals):
             future.set_result(result)
 
     def _finish(self, call: _Call) -> None:
@@ -460,6 +502,8 @@ class Outgoing:
             result = self._result(call)
         except BaseException as exc:
             error = exc
+        if Process.seen:  # handed on to other threads: complete on the host first
+            self._codec.backend.settle(take_arrivals())
         try:
             callback(result, error)
         except BaseException:

@@ -33,13 +33,27 @@ from ._layer import KeyScope, RpcLayer
 from ._messages import message_type
 from ._worker_info import WorkerInfo
 
-__all__ = ["KeyScope", "call_async", "call_sync", "key_scope", "serve", "serve_async", "wants"]
+__all__ = [
+    "KeyScope",
+    "call_async",
+    "call_sync",
+    "key_scope",
+    "serve",
+    "serve_async",
+    "serving_wrapper",
+    "wants",
+]
 
 _autograd: Any = torch.autograd
 _profiler_enabled: Callable[[], bool] = _autograd._profiler_enabled
 
 
 _NO_SCOPE = KeyScope()
+
+#: While an ``rpc._server_process_global_profile`` is open on this worker (``distgrad.profiler``
+#: sets it): wraps the function of a request being served so that it runs profiled. The
+#: serving path reads it once per request; ``None`` costs nothing more.
+serving_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
 
 def wants(func: object) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 __all__ = [
     "RemoteTraceback",
+    "decode_escapes",
     "error_payload",
     "exception_from_payload",
     "remember_traceback",
@@ -34,6 +35,22 @@ def remember_traceback(copy: BaseException, original: BaseException) -> None:
         pass
 
 
+def decode_escapes(text: str) -> str:
+    """``text`` with its backslash escapes decoded, as torch's caller decodes a remote
+    exception's message (``msg.encode("utf-8").decode("unicode_escape")``): the ``\\n`` that
+    ``repr(e)`` writes for a line break becomes one.
+
+    Unlike torch's, characters outside ASCII survive (torch's turns each UTF-8 byte into a
+    Latin-1 character), and text with a malformed escape (a Windows path's ``\\N``, a
+    trailing backslash) is kept as it is, where torch's raises ``UnicodeDecodeError``."""
+    if "\\" not in text:
+        return text
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return text
+
+
 class RemoteTraceback(Exception):
     """Carries the remote traceback text; set as ``__cause__`` of a re-raised remote error."""
 
@@ -48,8 +65,9 @@ class RemoteTraceback(Exception):
 def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tuple[str, str, bytes]:
     """What an ERROR frame carries: ``(message, traceback text, pickled type)``.
 
-    The message is the reference's (``"On WorkerInfo(...):\\n{repr(e)}\\n{traceback}"``), so
-    a caller's ``match=`` keeps working; errors of builtin operators, and exceptions whose class
+    The message is the reference's (``"On WorkerInfo(...):\\n{repr(e)}\\n{traceback}"``,
+    its escapes decoded as torch's caller decodes them: :func:`decode_escapes`), so a caller's
+    ``match=`` keeps working; errors of builtin operators, and exceptions whose class
     sets ``verbatim_over_rpc`` (distgrad's own chained errors), keep their bare message.
     The type travels by reference in a nested pickle, so that a type the caller cannot import
     still leaves the message readable (it then arrives as RuntimeError).
@@ -65,7 +83,7 @@ def error_payload(exc: BaseException, where: str, builtin: bool = False) -> tupl
     exc_type: type[BaseException] = type(exc)
     verbatim = builtin or getattr(exc, "verbatim_over_rpc", False)
     try:
-        message = str(exc) if verbatim else f"On {where}:\n{exc!r}\n{tb}"
+        message = str(exc) if verbatim else decode_escapes(f"On {where}:\n{exc!r}\n{tb}")
     except Exception as text_error:
         exc_type = RuntimeError
         message = (

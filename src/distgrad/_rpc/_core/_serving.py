@@ -13,15 +13,17 @@ import contextlib
 import logging
 import pickle
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..._devices._backend import Arrivals, Process, take_arrivals
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import Link, MessageInfo
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, dumps, encode, loads
-from . import _extension, _layer
+from . import _layer, _profiling
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
 from ._messages import describe_request, describe_response
@@ -46,6 +48,8 @@ class Serving:
     _codec: Codec
     _active_lock: threading.Lock
     _serving_async: int
+    _gil_profiling: bool
+    _gil_wait: list[float]
     _workers: ThreadPool
     state: AgentState
     _stats: StatisticsRecorder
@@ -57,7 +61,10 @@ class Serving:
     # -- receive (I/O thread) --------------------------------------------------------------------
     def _on_request(self, conn: Link, frame: Frame) -> None:
         try:
-            self._workers.submit(self._serve, conn, frame)
+            if self._gil_profiling:
+                self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
+            else:
+                self._workers.submit(self._serve, conn, frame)
         except RuntimeError:  # the pool is stopped: say so rather than let the caller wait
             self._reply_error(
                 conn,
@@ -75,6 +82,8 @@ class Serving:
                 "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
             )
             return
+        if Process.seen:  # a device tensor arrived (ever): settle this message's on the host
+            self._codec.backend.settle(take_arrivals())
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
         elif self.state.stopped:
@@ -92,12 +101,20 @@ class Serving:
             _log.exception("unhandled error in the notification handler %r", func)
 
     # -- serve: decode -> wait until its references are usable -> run -> reply (worker threads) --
+    def _serve_timed(self, conn: Link, frame: Frame, arrived: float) -> None:
+        """:meth:`_serve`, counting the wait since ``arrived`` (``enable_gil_profiling``)."""
+        waited = time.perf_counter() - arrived
+        with self._active_lock:
+            self._gil_wait[0] += waited
+            self._gil_wait[1] += 1
+        self._serve(conn, frame)
+
     def _serve(self, conn: Link, frame: Frame) -> None:
         size = len(frame.meta)
         if frame.buffers:
             size += sum(buffer.nbytes for buffer in frame.buffers)
         self._stats.request(conn.peer, size)
-        extension = _extension.get_extension()
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
         states: list[int | None] = []
 
         def on_table(ext: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -123,6 +140,7 @@ class Serving:
             unrun = None
         finally:
             collected = references.stop_collecting(previous) if references is not None else None
+            arrivals = take_arrivals() if Process.seen else None
         if self._describe and unrun is None:  # replies go out described (fault injection)
             wrapped = bool(states) and states[0] is not None
             conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
@@ -145,19 +163,62 @@ class Serving:
             return
         del frame.buffers[:]
         state = states[0] if states else None
+        if arrivals is not None:
+            self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
+            return
+        self._run(conn, frame, func, args, kwargs, state)
+
+    def _serve_on_devices(
+        self,
+        conn: Link,
+        frame: Frame,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+        arrivals: Arrivals,
+    ) -> None:
+        """Run a request whose tensors arrived on devices: a user function runs (and its reply
+        is staged) under the streams that carried them, as torch's callee; distgrad's own
+        handlers may hand values to other threads, so those wait on the host first."""
+        backend = self._codec.backend
+        if getattr(func, "__module__", "").startswith("distgrad."):
+            backend.settle(arrivals)
+            self._run(conn, frame, func, args, kwargs, state)
+            return
+        with backend.running_under(arrivals):
+            self._run(conn, frame, func, args, kwargs, state, arrivals)
+
+    def _run(
+        self,
+        conn: Link,
+        frame: Frame,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+        arrivals: Arrivals | None = None,
+    ) -> None:
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
+        run = func
+        wrap = _profiling.serving_wrapper  # rpc._server_process_global_profile is open
+        if wrap is not None:
+            run = wrap(func)
         try:
             if state is None:
                 if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                    self._serve_async(conn, frame.message_id, func, args, kwargs, None)
+                    self._serve_async(conn, frame.message_id, run, args, kwargs, None, arrivals)
                     return
-                result = func(*args, **(kwargs or {}))
+                result = run(*args, **(kwargs or {}))
             else:
                 assert extension is not None
                 with extension.scope(state):
                     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                        self._serve_async(conn, frame.message_id, func, args, kwargs, state)
+                        self._serve_async(
+                            conn, frame.message_id, run, args, kwargs, state, arrivals
+                        )
                         return
-                    result = func(*args, **(kwargs or {}))
+                    result = run(*args, **(kwargs or {}))
         except BaseException as exc:
             # builtin operators' and TorchScript functions' errors keep their bare message;
             # TorchScript's own (torch.jit.Error) arrive as RuntimeError, as torch's do
@@ -180,6 +241,7 @@ class Serving:
         args: Any,
         kwargs: Any,
         state: int | None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         future = check_async_result(func(*args, **(kwargs or {})))
         with self._active_lock:
@@ -188,6 +250,8 @@ class Serving:
         def respond(done: torch.futures.Future[Any]) -> None:
             with self._active_lock:
                 self._serving_async -= 1
+            if arrivals is not None:  # the reply is staged after the request's device work
+                self._codec.backend.join_current(arrivals)
             try:
                 result = done.value()
             except BaseException as exc:
@@ -199,7 +263,7 @@ class Serving:
 
     # -- reply -----------------------------------------------------------------------------------
     def _reply(self, conn: Link, message_id: int, result: Any, state: int | None) -> None:
-        extension = _extension.get_extension()
+        extension = _layer._recorder  # (the registry's field: no call on the call path)
         peer = conn.peer
         check = self._codec.device_check("Response", peer)
         if state is None or extension is None:

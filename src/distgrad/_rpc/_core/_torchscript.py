@@ -18,7 +18,14 @@ import torch
 
 from ..._wire._pickler import register_reducer
 
-__all__ = ["AsyncScriptFunction", "ScriptFunction", "as_rpc_target", "is_script_function"]
+__all__ = [
+    "SCRIPT_TARGETS",
+    "AsyncScriptFunction",
+    "ScriptFunction",
+    "as_rpc_target",
+    "is_script_function",
+    "rref_limit",
+]
 
 ScriptFunction: Any = torch.jit.ScriptFunction
 _PREFIX = "__torch__."
@@ -41,6 +48,21 @@ class AsyncScriptFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
+
+
+#: the types an RPC target has when it is TorchScript
+SCRIPT_TARGETS = frozenset({ScriptFunction, AsyncScriptFunction})
+
+
+def rref_limit(what: str) -> NotImplementedError:
+    """The one error for TorchScript meeting distgrad's RRefs, which it cannot take: its
+    ``RRef[T]`` type is torch's C++ RRef, which exists only under torch's own RPC agent."""
+    return NotImplementedError(
+        f"{what}: TorchScript cannot take distgrad RRefs (RRef[T] parameters and TorchScript "
+        "RemoteModules need torch's own RPC agent, which distgrad replaces). Call a Python "
+        "function instead; it may pass rref.to_here() (the value) to the TorchScript function. "
+        "See docs/migration.md."
+    )
 
 
 def as_rpc_target(func: Any) -> Any:

@@ -4,8 +4,10 @@ and made current (static groups or dynamic ones)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 import os
+import sys
 import threading
 from typing import Any
 
@@ -36,6 +38,7 @@ __all__ = ["init_rpc", "init_rpc_backend"]
 # starts agents plugs them in, before any agent starts.
 _rref_layer.register()
 
+_log = logging.getLogger("distgrad.rpc")
 _init_lock = threading.Lock()
 _init_counter = itertools.count()
 _failed_stores: list[Any] = []
@@ -58,6 +61,8 @@ def _to_options(options: object) -> TensorPipeRpcBackendOptions:
         num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
         rpc_timeout=float(getattr(options, "rpc_timeout", _config.DEFAULT_RPC_TIMEOUT_SEC)),
         init_method=str(getattr(options, "init_method", _config.DEFAULT_INIT_METHOD)),
+        device_maps=dict(getattr(options, "device_maps", None) or {}),
+        devices=list(getattr(options, "devices", None) or []),
     )
     return converted
 
@@ -94,7 +99,10 @@ def init_rpc(
         world_size (int, optional): number of workers in a static group. ``None`` (the
             default) with ``init_method="env://"`` reads ``WORLD_SIZE``; without it (or with
             ``tcp://`` or ``file://``) the worker joins a *dynamic* group whose members join
-            and leave, led by rank 0 (docs/elastic.md).
+            and leave, led by rank 0 (docs/elastic.md). With ``tcp://``/``env://``, rank 0
+            hosts the group's store and its death ends joins, unless the store lives outside
+            the members (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``) or
+            ``file://`` on shared storage is used.
         rpc_backend_options (TensorPipeRpcBackendOptions, optional): timeouts, the rendezvous
             ``init_method`` (``env://`` by default: ``MASTER_ADDR`` and ``MASTER_PORT``; also
             ``tcp://host:port`` and ``file://path``), worker threads and distgrad's own
@@ -236,6 +244,18 @@ def _validate_rpc_args(
             )
 
 
+def _log_started(agent: RpcAgent) -> None:
+    """One INFO line: which RPC this process runs (docs/libraries.md, "Which RPC runs")."""
+    torch_rpc = sys.modules.get("torch.distributed.rpc")
+    patched = torch_rpc is not None and torch_rpc.__name__ == "distgrad.rpc"
+    _log.info(
+        "init_rpc: worker %r (rank %d) runs distgrad's RPC; torch.distributed.rpc is %s",
+        agent.worker_info.name,
+        agent.worker_info.id,
+        "distgrad's (patched)" if patched else "torch's own (not patched)",
+    )
+
+
 def _start_agent(
     store: Any,
     name: str,
@@ -254,13 +274,15 @@ def _start_agent(
         address = agent.start_transport(
             secret.key, _rendezvous.listen_host(options.init_method, options)
         )
-        workers, addresses = _rendezvous.exchange_addresses(
-            store, agent.worker_info, address, world_size, secret.explicit
+        workers, addresses, plan = _rendezvous.exchange_addresses(
+            store, agent.worker_info, address, world_size, secret.explicit, agent.device_record()
         )
         agent.set_peers(workers, addresses)
+        agent.set_device_plan(plan)
         set_current_agent(agent)
         _register_exit_hook()
         _rendezvous.barrier(store, "distgrad/ready", world_size)
+        _log_started(agent)
     except BaseException:
         set_current_agent(None)
         agent.stop(graceful=False)
@@ -289,6 +311,7 @@ def _start_dynamic_agent(
         set_current_agent(agent)
         _dynamic.join_group(agent, store, address, secret.explicit, options.rpc_timeout)
         _register_exit_hook()
+        _log_started(agent)
     except BaseException:
         set_current_agent(None)
         agent.stop(graceful=False)

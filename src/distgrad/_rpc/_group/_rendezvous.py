@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from ... import _config
+from ..._devices._maps import DevicePlan, plan_devices
 from ..._transport._transport import PeerAddress
 from .._core._options import TensorPipeRpcBackendOptions
 from .._core._worker_info import WorkerInfo
@@ -106,8 +107,9 @@ def agree_secret(store: Any, rank: int, options: TensorPipeRpcBackendOptions) ->
         if explicit is not None:
             store.set(_SECRET_SOURCE, _EXPLICIT)
             return ClusterSecret(explicit, True)
-        token = secrets.token_hex(32)
-        store.set(_SECRET_KEY, token)
+        # (a rank 0 relaunched into a dynamic group whose store outlived it keeps the secret
+        # the members already use)
+        token = bytes(store.compare_set(_SECRET_KEY, "", secrets.token_hex(32))).decode()
         store.set(_SECRET_SOURCE, _GENERATED)
         return ClusterSecret(token.encode(), False)
     if explicit is not None:
@@ -148,13 +150,20 @@ def listen_host(init_method: str, options: TensorPipeRpcBackendOptions) -> str:
 
 
 def exchange_addresses(
-    store: Any, info: WorkerInfo, address: PeerAddress, world_size: int, explicit_secret: bool
-) -> tuple[list[WorkerInfo], dict[int, PeerAddress]]:
-    """Publish this worker, wait for all others, validate names and that the secret is set
-    on every rank or on none; return everyone."""
+    store: Any,
+    info: WorkerInfo,
+    address: PeerAddress,
+    world_size: int,
+    explicit_secret: bool,
+    devices: dict[str, Any] | None = None,
+) -> tuple[list[WorkerInfo], dict[int, PeerAddress], DevicePlan]:
+    """Publish this worker (with its ``devices``: device count, maps and devices), wait for
+    all others, validate names, that the secret is set on every rank or on none, and
+    everyone's device maps (torch's init-time ValueErrors); return everyone and this
+    worker's device plan."""
     if int(store.add(f"distgrad/rank/{info.id}", 1)) > 1:
         raise RuntimeError(f"RPC rank {info.id} is used by more than one worker")
-    record = address_record(info, address, explicit_secret)
+    record = address_record(info, address, explicit_secret, devices)
     store.set(f"distgrad/worker/{info.id}", json.dumps(record))
     keys = [f"distgrad/worker/{rank}" for rank in range(world_size)]
     try:
@@ -186,12 +195,25 @@ def exchange_addresses(
         seen[name] = rank
         workers.append(WorkerInfo(name, rank))
         addresses[rank] = address_from_record(rec)
-    return workers, addresses
+    names = [w.name for w in workers]
+    try:
+        plan = plan_devices(info.name, names, {str(r["name"]): r.get("devices") for r in records})
+    except ValueError:
+        barrier(store, "distgrad/devices-checked", world_size, hosts_store=info.id == 0)
+        raise
+    return workers, addresses, plan
 
 
-def address_record(info: WorkerInfo, address: PeerAddress, explicit_secret: bool) -> dict[str, Any]:
-    """What a worker publishes about itself (plain JSON)."""
+def address_record(
+    info: WorkerInfo,
+    address: PeerAddress,
+    explicit_secret: bool,
+    devices: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a worker publishes about itself (plain JSON; ``devices`` from
+    ``_devices._maps.maps_to_record``)."""
     return {
+        "devices": devices,
         "name": info.name,
         "host": address.host,
         "port": address.port,

@@ -121,7 +121,11 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
             deadline = time.monotonic() + timeout if timeout > 0 else None
             agent.wait_until_idle(deadline)
             _layer.shutting_down(agent)
-            context_of(agent).delete_all_users(_rref_drain_timeout(agent, deadline))
+            # Users elsewhere of what this member owns are not waited for: they cannot let go
+            # before they learn it leaves; from then on they fail, naming it as departed.
+            context_of(agent).delete_all_users(
+                _rref_drain_timeout(agent, deadline), wait_for_remote_users=False
+            )
             budget = (
                 max(deadline - time.monotonic(), 0.1) if deadline is not None else agent.rpc_timeout
             )

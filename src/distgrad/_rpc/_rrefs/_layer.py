@@ -15,16 +15,15 @@ sent through RPC. ``init_rpc``'s module calls it when imported.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from ..._errors import RpcTimeoutError, rpc_timeout_message
 from ..._wire._pickler import register_reducer
 from .._core._agent import RpcAgent
 from .._core._layer import LayerAgent, RpcLayer, register_layer
-from ._rref import RRef
+from ._rref import BY_HAND, RRef
 from ._rref_context import RRefContext, context_of, stop_context
-from ._rref_fork import _reduce_rref
-from ._rref_values import UserHandle
+from ._rref_fork import _reduce_rref, deserialize_rref, serialize_rref
 
 __all__ = ["RRefLayer", "register"]
 
@@ -35,11 +34,10 @@ class RRefLayer(RpcLayer):
     name: ClassVar[str] = "rrefs"
     tracks_references: ClassVar[bool] = True
 
-    def start_collecting(self) -> object:
-        return RRefContext.start_collecting()
-
-    def stop_collecting(self, previous: object) -> list[Any]:
-        return RRefContext.stop_collecting(cast("list[UserHandle] | None", previous))
+    # The tables' own functions, not methods that call them: they run for every request served.
+    # (``stop_collecting`` takes back only what ``start_collecting`` returned.)
+    start_collecting = staticmethod(RRefContext.start_collecting)
+    stop_collecting = staticmethod(RRefContext.stop_collecting)  # type: ignore[assignment]
 
     def wait_usable(self, collected: list[Any], timeout: float | None) -> None:
         deadline = time.monotonic() + timeout if timeout is not None else None
@@ -64,4 +62,5 @@ _LAYER = RRefLayer()
 def register() -> None:
     """Plug RRefs into RPC (idempotent)."""
     register_reducer(RRef, _reduce_rref)
+    BY_HAND.serialize, BY_HAND.deserialize = serialize_rref, deserialize_rref
     register_layer(_LAYER)

@@ -52,6 +52,23 @@ __all__ = ["RRef", "create_remote"]
 T = TypeVar("T")
 
 
+#: ``(owner id, RRef id's created_on, its local_id, fork id's created_on, its local_id, parent
+#: id, type)``: torch's fork tuple (``RRef._serialize``)
+SerializedRRef = tuple[int, int, int, int, int, int, str]
+
+
+class _ByHand:
+    """``RRef._serialize`` / ``_deserialize`` are the fork protocol's (``_rref_fork``, a module
+    above this one, which builds RRefs); ``_layer.register`` installs them here with the RRef's
+    reducer."""
+
+    serialize: Callable[[RRef[Any]], SerializedRRef] | None = None
+    deserialize: Callable[[SerializedRRef], RRef[Any]] | None = None
+
+
+BY_HAND = _ByHand()
+
+
 class RRef(Generic[T]):
     """A reference to a value that lives on one worker, its *owner* (torch's ``RRef``).
 
@@ -207,7 +224,9 @@ class RRef(Generic[T]):
                 f"value lived in its incarnation {known:016x}, which is gone",
                 f"worker {owner.name} (rank {owner.id})",
             )
-        if self._timed_out:
+        value = self._value
+        if self._timed_out or (value is not None and value.timed_out):
+            # (an owner's: its remote() to this worker timed out or failed to send)
             raise RuntimeError(RREF_TIMED_OUT)
         if self._error is not None:  # a copy: the stored one must not collect our frames
             raise fresh_copy(self._error)
@@ -260,6 +279,41 @@ class RRef(Generic[T]):
         raise RuntimeError(
             "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
         )
+
+    def _serialize(self) -> SerializedRRef:
+        """Fork this RRef for one receiver, by hand (torch's ``PyRRef._serialize``, what RPC
+        pickling does): the 7-tuple ``(owner id, RRef id's created_on, its local_id, fork
+        id's created_on, its local_id, this worker's id, type)``, where the type is
+        ``"PyObject"`` or ``"Tensor"`` (an owner's tensor, or an RRef made by a builtin or
+        TorchScript function).
+
+        As in torch, the fork is registered now -- on the owner, with the owner; on a user, as
+        a child this RRef waits for -- so the tuple must reach ``RRef._deserialize`` on
+        exactly one worker of the group (the RRef's value is held for it until then).
+
+        Raises:
+            RuntimeError: the creation by ``rpc.remote()`` timed out or failed to send ("RRef
+                creation via rpc.remote() timed out, ..."), or this user RRef was deleted.
+        """
+        serialize = BY_HAND.serialize
+        if serialize is None:
+            raise RuntimeError("RRefs are not plugged into RPC: import distgrad.rpc")
+        return serialize(self)
+
+    @staticmethod
+    def _deserialize(data: SerializedRRef) -> RRef[Any]:
+        """The RRef that :meth:`_serialize` forked, on the worker that receives the tuple
+        (torch's ``PyRRef._deserialize``): the owner gets its owner RRef back; a user gets a
+        user RRef, which the owner confirms (its parent is told once it is).
+
+        Raises:
+            ValueError: ``data`` is not such a 7-tuple.
+            RuntimeError: RPC is not initialized.
+        """
+        deserialize = BY_HAND.deserialize
+        if deserialize is None:
+            raise RuntimeError("RRefs are not plugged into RPC: import distgrad.rpc")
+        return deserialize(data)
 
     # -- values ----------------------------------------------------------------------------------
     def local_value(self) -> T:

@@ -327,11 +327,12 @@ class RRefContext:
             time.sleep(0.005)
         return True
 
-    def delete_all_users(self, timeout: float) -> None:
+    def delete_all_users(self, timeout: float, *, wait_for_remote_users: bool = True) -> None:
         """Graceful shutdown: let pending users and children settle, tell owners that every
-        user here is gone, and wait until the users elsewhere of what this worker owns are gone
-        too (the reference's ``_delete_all_user_and_unforked_owner_rrefs``). Time-outs are only
-        logged, as in the reference."""
+        user here is gone, and (with ``wait_for_remote_users``) wait until the users elsewhere
+        of what this worker owns are gone too (the reference's
+        ``_delete_all_user_and_unforked_owner_rrefs``). Time-outs are only logged, as in the
+        reference."""
         deadline = time.monotonic() + timeout
         if not self._wait_for(
             lambda: not self._pending_users and not self._pending_children, deadline
@@ -355,7 +356,7 @@ class RRefContext:
             if left <= 0 or not _wait_future(future, left):
                 _log.warning("shutdown: an RRef delete was not acknowledged in time")
                 break
-        if not self._wait_for(lambda: not self._forks, deadline):
+        if wait_for_remote_users and not self._wait_for(lambda: not self._forks, deadline):
             _log.warning("shutdown: %d owned RRefs still have users", len(self._forks))
 
     def destroy(self) -> list[tuple[GloballyUniqueId, GloballyUniqueId]]:

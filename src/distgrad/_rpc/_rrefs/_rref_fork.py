@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._rref import RRef
+import torch
+
+from ._rref import RRef, SerializedRRef
 from ._rref_context import GloballyUniqueId, context_of
 from ._rref_owner import _agent_or_raise
 
@@ -58,3 +60,43 @@ def _rebuild_rref(
         ctx.request_fork(rref, parent)
         ctx.collect(rref)
     return rref
+
+
+# -- by hand: torch's PyRRef._serialize / _deserialize -------------------------------------------
+
+
+def serialize_rref(rref: RRef[Any]) -> SerializedRRef:
+    """``RRef._serialize``: fork ``rref`` as :func:`_reduce_rref` does, as torch's tuple."""
+    _, (owner, rref_id, fork_id, parent, script) = _reduce_rref(rref)
+    value = rref._value
+    tensor = value is not None and value.done() and isinstance(value._value, torch.Tensor)
+    kind = "Tensor" if script or tensor else "PyObject"
+    return (
+        owner,
+        rref_id.created_on,
+        rref_id.local_id,
+        fork_id.created_on,
+        fork_id.local_id,
+        parent,
+        kind,
+    )
+
+
+def deserialize_rref(data: SerializedRRef) -> RRef[Any]:
+    """``RRef._deserialize``: the receiver's side of :func:`serialize_rref`."""
+    try:
+        owner, rref_on, rref_local, fork_on, fork_local, parent, kind = data
+        ids = [int(x) for x in (owner, rref_on, rref_local, fork_on, fork_local, parent)]
+    except (TypeError, ValueError):
+        raise ValueError(
+            "RRef._deserialize expects the 7-tuple that RRef._serialize returns (owner id, "
+            "RRef id created_on and local_id, fork id created_on and local_id, parent id, "
+            f"type), got {data!r}"
+        ) from None
+    return _rebuild_rref(
+        ids[0],
+        GloballyUniqueId(ids[1], ids[2]),
+        GloballyUniqueId(ids[3], ids[4]),
+        ids[5],
+        kind != "PyObject",
+    )

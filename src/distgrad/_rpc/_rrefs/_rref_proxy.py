@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
+from ..._errors import PeerFailureError
 from .._core._agent import require_agent
-from .._core._calls import set_future_error
+from .._core._calls import failed_future, set_future_error
 from .._core._functions import async_execution
 from .._core._worker_info import WorkerInfo
 
@@ -71,10 +72,14 @@ def _call(
 def _invoke(
     rref: ProxyTarget, mode: str, func_name: str, timeout: float, *args: Any, **kwargs: Any
 ) -> Any:
-    type_future = rref._get_type(timeout=timeout, blocking=False)
     if mode != "async":
+        type_future = rref._get_type(timeout=timeout, blocking=False)
         invoker = _invoker(type_future.wait(), func_name)
         return _call(mode, rref, invoker, (rref, func_name, args, kwargs), timeout)
+    try:
+        type_future = rref._get_type(timeout=timeout, blocking=False)
+    except PeerFailureError as exc:  # an owner known dead fails the future (as rpc_async)
+        return failed_future(exc)
     # rpc_async: the future of the method's result, whether the type is known yet or not
     result: torch.futures.Future[Any] = torch.futures.Future()
 

@@ -1,0 +1,60 @@
+"""``distgrad.rpc.internal`` (as ``torch.distributed.rpc.internal``): the pieces of torch's
+RPC internals that programs call, and the plain names code outside torch reads.
+
+``serialize`` / ``deserialize`` pickle an object the way a call's arguments are pickled: RRefs
+in it are forked (so the stream must be deserialized on exactly one worker of the group, as
+with torch's), tensors travel in a separate table. The stream is distgrad's, not torch's: only
+distgrad reads it. ``_build_rpc_profiling_key`` names a profiled call as torch's does.
+torch's ``_internal_rpc_pickler`` is not here: it is TensorPipe's message format, which
+distgrad does not use (its pickler is in ``_wire``).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+from .._profiler._keys import RPCExecMode, build_rpc_profiling_key
+from .._wire._pickler import deserialize_with_table, serialize_with_table
+
+__all__ = ["PythonUDF", "RPCExecMode", "RemoteException", "deserialize", "serialize"]
+
+#: A Python call as torch's RPC describes it.
+PythonUDF = collections.namedtuple("PythonUDF", ["func", "args", "kwargs"])
+#: An exception raised by a remote call, as torch's RPC carries it.
+RemoteException = collections.namedtuple("RemoteException", ["msg", "exception_type"])
+
+
+def serialize(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Pickle ``obj`` as an RPC argument is pickled (torch's ``internal.serialize``).
+
+    Args:
+        obj: any picklable object; RRefs in it are forked for the receiver.
+
+    Returns:
+        tuple: the pickle stream (``bytes``) and the list of tensors it refers to.
+
+    Raises:
+        RuntimeError: an RRef in ``obj`` cannot be forked (its creation timed out, or it was
+            deleted).
+    """
+    return serialize_with_table(obj)
+
+
+def deserialize(binary_data: bytes, tensor_table: list[torch.Tensor]) -> Any:
+    """The object :func:`serialize` returned ``(binary_data, tensor_table)`` for (torch's
+    ``internal.deserialize``); RRefs in it become this worker's references.
+
+    Args:
+        binary_data (bytes): the stream.
+        tensor_table (list[Tensor]): its tensors.
+
+    Returns:
+        The object.
+    """
+    return deserialize_with_table(binary_data, tensor_table)
+
+
+_build_rpc_profiling_key = build_rpc_profiling_key

@@ -1,0 +1,7 @@
+"""``distgrad.rpc.options`` (as ``torch.distributed.rpc.options``): the backend options."""
+
+from __future__ import annotations
+
+from .._rpc._core._options import RpcBackendOptions, TensorPipeRpcBackendOptions
+
+__all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions"]
