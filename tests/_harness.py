@@ -307,6 +307,10 @@ def _collect(
             continue
         if proc.is_alive():
             failures[rank] = f"reported its result but did not exit within {EXIT_GRACE_S:g}s"
+            # Its threads' stacks, on stderr (shown with the test's output), if a thread holds
+            # it; a process already past the interpreter's teardown of faulthandler dies of the
+            # signal instead ("killed by SIGUSR1"): it was exiting, slowly (a loaded host).
+            _dump_stacks([proc])
         elif proc.exitcode != 0:
             failures[rank] = f"reported its result but exited with code {proc.exitcode}"
     if failures:

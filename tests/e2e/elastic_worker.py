@@ -6,7 +6,8 @@ leave with a graceful ``rpc.shutdown()``.
 
 ``python elastic_worker.py leader PORT``: rank 0; runs the scenario (members join, one is killed
 and relaunched under its name, one leaves) and prints one JSON line of what it saw.
-``leader-dies`` and ``death-mid-join`` are other scenarios of rank 0 (see their functions).
+``leader-dies``, ``death-mid-join`` and ``leave-after-failed-fork`` are other scenarios of
+rank 0 (see their functions).
 """
 
 from __future__ import annotations
@@ -147,6 +148,78 @@ def death_mid_join(port: int) -> None:
     print(json.dumps(seen), flush=True)
 
 
+_forked: list[Any] = []
+LEAVE_FILE = "DISTGRAD_TEST_LEAVE_FILE"  # where ``forker`` writes how long its leave took
+
+
+def rref_sum(rref: Any) -> float:
+    """On the owner (as RemoteModule's forward): use the RRef passed to it."""
+    return float(rref.local_value().sum())
+
+
+def forker_make_rref() -> None:
+    """On w2: a UserRRef owned by w1."""
+    rref = rpc.remote("w1", torch.ones, args=(2,))
+    rref.to_here()
+    _forked.append(rref)
+
+
+def forker_call_owner() -> str:
+    """On w2: pass the RRef to its owner, w1 (frozen now): the call fails, its fork unsettled."""
+    try:
+        return str(rpc.rpc_sync("w1", rref_sum, args=(_forked[0],), timeout=0))
+    except rpc.PeerFailureError as exc:
+        return f"PeerFailureError: {exc}"
+
+
+def forker(name: str, rank: int, port: int) -> None:
+    """A member whose call carrying an RRef fails; it then leaves, timing its leave."""
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    _leave.wait(90)
+    _forked.clear()
+    started = time.monotonic()
+    rpc.shutdown(timeout=30)
+    Path(os.environ[LEAVE_FILE]).write_text(f"{time.monotonic() - started:.2f}")
+
+
+def leave_after_failed_fork(port: int) -> None:
+    """w2's call passing an RRef to its owner w1 fails (w1 frozen), w1 is killed and
+    relaunched under its name, then w2 leaves: its leave must not wait for the fork that
+    failed (before: the whole 30 s timeout, "pending forks not settled in time")."""
+    rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=options(port))
+    events: list[str] = []
+    rpc.add_membership_listener(lambda e: events.append(str(e)))
+    seen: dict[str, Any] = {}
+    leave_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"distgrad-leave-{os.getpid()}"
+    os.environ[LEAVE_FILE] = str(leave_file)
+    procs = [spawn("w1", 1, port)]
+    try:
+        wait_for(lambda: names() == ["w0", "w1"], "w1 to join")
+        procs.append(spawn("w2", 2, port, "forker"))
+        wait_for(lambda: names() == ["w0", "w1", "w2"], "w2 to join")
+        rpc.rpc_sync("w2", forker_make_rref)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        seen["call"] = rpc.rpc_sync("w2", forker_call_owner, timeout=60)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        procs.append(spawn("w1", 1, port))  # relaunched under the same name
+        wait_for(lambda: "w1 (rank 1) restarted" in " ".join(events), "w1 to rejoin", 60)
+        rpc.rpc_sync("w2", leave_now)
+        wait_for(lambda: "w2" not in names(), "w2 to leave", 60)
+        procs[1].wait(30)
+        seen["leave_s"] = float(leave_file.read_text())
+        rpc.rpc_sync("w1", leave_now)
+        wait_for(lambda: names() == ["w0"], "w1 to leave", 60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        leave_file.unlink(missing_ok=True)
+        rpc.shutdown()
+    print(json.dumps(seen), flush=True)
+
+
 def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -242,5 +315,9 @@ if __name__ == "__main__":
         leader_dies(int(sys.argv[2]))
     elif sys.argv[1] == "death-mid-join":
         death_mid_join(int(sys.argv[2]))
+    elif sys.argv[1] == "forker":
+        forker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "leave-after-failed-fork":
+        leave_after_failed_fork(int(sys.argv[2]))
     else:
         leader(int(sys.argv[2]))

@@ -206,3 +206,14 @@ def test_torchs_dynamic_group_program_runs_unchanged(tmp_path: Path) -> None:
     assert {"rank": 0, "grown": ["worker0", "worker1", "worker2"]} in on_torch
     assert {"rank": 0, "sums": [[2.0, 2.0], [3.0, 3.0]]} in on_torch
     assert {"rank": 0, "shrunk": ["worker0"]} in on_torch
+
+
+def test_a_leave_does_not_wait_for_a_fork_whose_call_failed() -> None:
+    """Issue 22 item 2 with real processes: w2 passes an RRef to its owner w1, which is frozen
+    (the call fails with PeerFailureError), killed and relaunched; w2's graceful leave then
+    takes seconds, not its 30 s timeout (the child fork can never be accepted)."""
+    seen = run_leader("leave-after-failed-fork", timeout=150.0)
+    print(f"leave after a failed fork: {seen}")  # (shown with -s)
+    assert str(seen["call"]).startswith("PeerFailureError"), seen
+    assert "w1" in str(seen["call"])
+    assert float(seen["leave_s"]) < 10.0, seen  # type: ignore[arg-type]

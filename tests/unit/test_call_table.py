@@ -36,6 +36,7 @@ def test_take_on_takes_exactly_the_calls_on_that_link() -> None:
     for link in (broken, healthy, broken):
         call = _Call(table.next_id(), link, 1.0, torch.futures.Future(), internal=False)  # type: ignore[arg-type]
         table.add(call)
+        table.sent(call)
         calls.append(call)
     assert table.arm(calls[0], time.monotonic() + 1.0)  # the wheel was idle: start it
     assert not table.arm(calls[2], time.monotonic() + 1.0)  # it runs already
@@ -43,6 +44,20 @@ def test_take_on_takes_exactly_the_calls_on_that_link() -> None:
     assert sorted(c.cid for c in taken) == [calls[0].cid, calls[2].cid]
     assert list(table) == [calls[1].cid] and all(c.slot == 0 for c in taken)
     assert table.expire(time.monotonic() + 5.0) == ([], False)  # nothing left to time out
+
+
+def test_take_on_leaves_a_call_being_written_to_its_sender() -> None:
+    """A call whose request is still being written stays in the table when its link breaks
+    (only its sender knows whether the frame left); once sent, the link's loss takes it."""
+    table = CallTable()
+    link = _FakeLink()
+    call = _Call(table.next_id(), link, 1.0, torch.futures.Future(), internal=False)  # type: ignore[arg-type]
+    table.add(call)
+    assert table.take_on(link) == []  # type: ignore[arg-type]
+    assert list(table) == [call.cid]
+    table.sent(call)
+    assert table.take_on(link) == [call]  # type: ignore[arg-type]
+    assert len(table) == 0
 
 
 def test_calls_inserted_while_a_peer_fails_all_end_failed() -> None:

@@ -11,6 +11,7 @@ import torch
 
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
+from distgrad._autograd import _context_state
 from distgrad.testing import open_world
 
 _kept: list[torch.Tensor] = []
@@ -104,7 +105,8 @@ def test_a_sparse_embedding_gradient_keeps_its_values_without_a_copy(
         grad = world.run(trainer, ranks=[0])[0]
     del _table["emb"]
     values_copied = [(layout, shape) for layout, shape in copies if shape in ((rows, 4), (50, 4))]
-    assert values_copied == [], copies
+    # (a torch without Tensor._use_count, 2.3, copies every first gradient)
+    assert (values_copied == []) is _context_state._counts, copies
     expected = torch.nn.Embedding(50, 4, sparse=True)
     expected.load_state_dict(emb.state_dict())
     (expected(indices) * weights).sum().backward()

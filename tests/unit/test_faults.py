@@ -215,13 +215,21 @@ def test_a_frozen_worker_is_suspected_and_called_again_once_thawed() -> None:
     options = world_options(heartbeat_interval=0.05, peer_timeout=0.4, rpc_timeout=0)
     with open_world(2, options=options, faults=[]) as world:
         assert world.faults is not None
+        assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3  # (the link is open)
         world.faults.freeze(1)
         started = time.monotonic()
         with pytest.raises(PeerFailureError, match="suspected"):
             world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))
         assert time.monotonic() - started < 5
         assert not world.agents[0].peer_is_dead(1)
+        # a new connection to it: its handshake is not answered, within the peer timeout
+        started = time.monotonic()
+        with pytest.raises(PeerFailureError, match=r"handshake .* timed out"):
+            world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))
+        assert time.monotonic() - started < 2
+        assert not world.agents[0].peer_is_dead(1)
         world.faults.thaw(1)
+        time.sleep(0.6)  # (after a failed reconnect, calls fail at once for RETRY_AFTER)
         assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3
         assert world.run_on(1, rpc.rpc_sync, "worker0", add, (2, 2)) == 4
 

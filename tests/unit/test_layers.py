@@ -209,7 +209,7 @@ def test_the_call_path_hooks_of_the_recorder_are_used() -> None:
     assert seen == [1]
 
 
-_PATCHED = (
+_PATCHED = (  # (those this torch has: _ensure_function_events is torch 2.5's)
     "torch.autograd.profiler.profile._start_trace",
     "torch.autograd.profiler.profile.__exit__",
     "torch.autograd.profiler.profile._ensure_function_events",
@@ -225,6 +225,10 @@ def get(name):
     for part in name.split(".")[1:]:
         obj = getattr(obj, part)
     return obj
+def exists(name):
+    owner, _, attr = name.rpartition(".")
+    return hasattr(get(owner), attr)
+names = [name for name in names if exists(name)]
 before = {{name: get(name) for name in names}}
 import distgrad.rpc, distgrad.autograd, distgrad.profiler
 assert all(get(name) is before[name] for name in names), "patched at import"
@@ -264,3 +268,43 @@ def test_importing_distgrad_patches_nothing_in_torch_until_profiling(first_use: 
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+_DEGRADED_PROBE = """
+import logging, sys, torch, torch.autograd.profiler_legacy as legacy
+del legacy.profile._start_trace  # as on a torch without this internal
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s: %(message)s")
+import distgrad.rpc
+from distgrad._testing._world import open_world
+def step(rank):
+    with torch.autograd.profiler.profile() as prof:
+        result = distgrad.rpc.rpc_sync("worker1", torch.add, (torch.ones(2), 1))
+    return result, [e.name for e in prof.function_events]
+for _ in range(2):  # a second agent start warns no more
+    with open_world(2) as world:
+        result, names = world.run_on(0, step, 0)
+    assert torch.equal(result, torch.full((2,), 2.0))
+    assert any(name.startswith("rpc_sync#aten::add") for name in names), names
+print("ok")
+"""
+
+
+def test_a_missing_torch_profiler_internal_turns_remote_events_off_not_rpc() -> None:
+    """On a torch that lacks a profiler method distgrad wraps (simulated: deleted), agents
+    start, calls (profiled ones included) work, and one warning names what is missing."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    out = subprocess.run(
+        [sys.executable, "-c", _DEGRADED_PROBE],
+        env={**os.environ, "PYTHONPATH": src},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    warnings = [line for line in lines if line.startswith("distgrad.profiler:")]
+    assert len(warnings) == 1, out.stdout
+    assert "lacks torch.autograd.profiler_legacy.profile._start_trace" in warnings[0]
+    assert "RPC itself is not affected" in warnings[0]
+    assert lines[-1] == "ok"

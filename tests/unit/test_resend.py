@@ -5,13 +5,16 @@ call with an error saying the peer may have run it. On in-memory worlds with fau
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 import distgrad.rpc as rpc
 from distgrad._errors import FrameNotSentError, PeerFailureError
+from distgrad._transport._inmemory_link import MemoryLink
 from distgrad.testing import Fault, open_world
 
 _runs: list[int] = []
@@ -82,6 +85,52 @@ def test_a_request_that_cannot_be_written_twice_fails_clearly() -> None:
         assert world.run_on(0, rpc.rpc_sync, "worker1", counted, (3,)) == 4
 
 
+@pytest.fixture
+def loss_handled_first(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Stage the interleaving a loaded host produces: a link whose write failed is closed,
+    and its I/O thread handles the loss (fails what waits on the link) before the sending
+    thread goes on."""
+    fail_write = MemoryLink.fail_write
+
+    def fail_write_then_let_the_loss_be_handled(link: MemoryLink, error: PeerFailureError) -> None:
+        fail_write(link, error)
+        io = link._transport.io
+        if not io.in_loop():
+            io.run(asyncio.sleep(0), timeout=5)  # after the queued close: it has run
+
+    monkeypatch.setattr(MemoryLink, "fail_write", fail_write_then_let_the_loss_be_handled)
+    yield
+
+
+def test_a_request_not_sent_is_resent_even_when_the_loss_is_handled_first(
+    loss_handled_first: None,
+) -> None:
+    """The I/O thread handles the broken link before the sender sees its write fail: the call
+    is still the sender's (it is resent and succeeds), not failed as if it had been sent.
+    (Before the fix it failed with "... while sending: injected break".)"""
+    _runs.clear()
+    with open_world(2, faults=[Fault("break", function="counted", nth=1)]) as world:
+        assert world.run_on(0, rpc.rpc_sync, "worker1", counted, (1,)) == 2
+        assert world.run_on(0, rpc.rpc_async, "worker1", counted, (2,)).wait() == 3
+        assert world.agents[0].agent_statistics().calls_resent == 1
+
+
+def test_a_request_not_written_twice_fails_clearly_when_the_loss_is_handled_first(
+    loss_handled_first: None,
+) -> None:
+    """The same staging with both writes broken: one clear error saying the request was not
+    sent, the call counted once as failed, nothing run."""
+    _runs.clear()
+    with open_world(2, faults=[Fault("break", function="counted", times=2)]) as world:
+        with pytest.raises(PeerFailureError, match="the request was not sent"):
+            world.run_on(0, rpc.rpc_sync, "worker1", counted, (1,))
+        stats = world.agents[0].agent_statistics()
+        assert stats.peers["worker1"].calls_resent == 1
+        assert stats.peers["worker1"].calls_failed == 1
+        assert world.agents[0].active_calls() == 0
+        assert _runs == []
+
+
 def test_a_connection_lost_after_the_write_fails_saying_the_peer_may_have_run_it() -> None:
     """Not resent (at most once): the call fails with PeerFailureError, and its message says
     the peer may have run it -- which it did."""
@@ -114,3 +163,33 @@ def test_graceful_shutdown_with_a_dead_member_returns_on_the_survivors(
             took = world.run(_graceful_shutdown, ranks=[0, 1])
         assert all(t < 5 for t in took), took
         assert "graceful shutdown goes on without worker2" in caplog.text
+
+
+def test_graceful_shutdown_when_one_survivor_still_counts_the_dead_member(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """worker1's first look at who survives still counts worker2 (its I/O thread had not
+    handled the closed links yet: a loaded host), while worker0 leaves it out: their gathers
+    differ. worker1 finds worker2 dead while it waits and gathers again; both shut down
+    quickly. (Before: the leader waited its whole timeout, "Followers ['worker1'] timed out
+    in _all_gather", seen once in 20 runs of this file.)"""
+    from distgrad._rpc._core._agent import current_agent
+    from distgrad._rpc._group import _collectives
+
+    survivors = _collectives._survivors
+    stale = {"left": 1}
+
+    def stale_on_worker1(agent: object) -> list[str]:
+        me = current_agent()
+        if me is not None and me.worker_info.id == 1 and stale["left"]:
+            stale["left"] -= 1
+            return ["worker0", "worker1", "worker2"]
+        return survivors(agent)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_collectives, "_survivors", stale_on_worker1)
+    with open_world(3) as world:
+        world.run(lambda r: [rpc.rpc_sync(f"worker{d}", counted, (d,)) for d in range(3)])
+        world.kill(2)
+        took = world.run(_graceful_shutdown, ranks=[0, 1])
+        assert stale["left"] == 0
+        assert all(t < 5 for t in took), took

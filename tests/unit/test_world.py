@@ -162,6 +162,8 @@ def test_a_silent_peer_is_presumed_dead_after_the_peer_timeout() -> None:
 
     options = world_options(heartbeat_interval=0.05, peer_timeout=0.5, rpc_timeout=0)
     with open_world(2, options=options) as world:
+        world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))  # the link is open (a fresh
+        # one would fail at its handshake, which worker1's I/O thread would answer)
         agent1 = world.agents[1]
         agent1._io.call_soon(stall)  # worker1's I/O thread stops reading and beating
         assert blocked.wait(5)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import DistgradError, RpcShutdownError
 from .._rpc._core import _profiling
 from .._rpc._core._agent import bind_thread, current_agent
 from .._rpc._core._functions import after_current_task
@@ -67,34 +66,20 @@ def _send_cleanup(
     """Best effort, retried, one-way: releasing a context needs no answer (an answer would
     cost the peer a response and this worker a wake-up per context, on the next step's time).
 
-    With ``later`` (no backward pass was running: nobody there is working on the context), the
-    message goes out with this worker's next message to that peer -- the next step's first
-    call, typically -- or with the next heartbeat tick: the end of a step then costs no write,
-    and the peer no wake-up. Otherwise, or if that fails, it is sent now: a send that fails on
-    a broken connection is retried (the next attempt reconnects); a dead peer or a stopped
-    agent ends it. Under torch's profiler it is a request, so that it shows in the trace like
-    the other internal messages."""
+    It never blocks the caller (leaving ``with dist_autograd.context()``, often right after a
+    call failed because ``worker`` is frozen or cut off: a re-dial there would wait out a
+    handshake timeout before the program saw the error). With a connection open, it is written
+    now -- with ``later`` (no backward pass was running: nobody there is working on the
+    context), with this worker's next message to that peer or the next heartbeat tick, so the
+    end of a step costs no write and the peer no wake-up. Without one, or if that write finds
+    the connection broken, the agent's dialing thread for ``worker`` connects and sends it,
+    ``attempts`` times while connections break; a dead peer or a stopped agent ends it
+    (``RpcAgent.post``). Under torch's profiler it is a request, so that it shows in the trace
+    like the other internal messages."""
     if _profiling.wants(_cleanup_message):
         _send_cleanup_profiled(agent, worker, context_id, told, attempts)
         return
-    if later:
-        try:
-            agent.notify(worker, _cleanup_message, (context_id, *told), later=True)
-            return
-        except RpcShutdownError:
-            return
-        except DistgradError:
-            pass  # (a broken connection: sent now, on a new one)
-    for attempt in range(attempts):
-        try:
-            agent.notify(worker, _cleanup_message, (context_id, *told))
-            return
-        except RpcShutdownError:
-            return
-        except DistgradError as exc:
-            if attempt + 1 == attempts or agent.peer_is_dead(worker):
-                _log.debug("context %s: cleanup on worker %s failed: %s", context_id, worker, exc)
-                return
+    agent.post(worker, _cleanup_message, (context_id, *told), later=later, attempts=attempts)
 
 
 def _send_cleanup_profiled(

@@ -120,14 +120,23 @@ class SendRpc(torch.autograd.Function):
 
 
 class RecvRpc(torch.autograd.Function):
-    """Forward: identity over received tensors. Node:
-    ``torch::distributed::autograd::RecvRpcBackward`` (torch's name)."""
+    """Forward: identity over received tensors, plus one empty *anchor* tensor. Node:
+    ``torch::distributed::autograd::RecvRpcBackward`` (torch's name).
+
+    The anchor is what keeps the node alive for the context. A Python ``grad_fn`` object holds
+    its C++ node only weakly on torch 2.5-2.11 (a tensor or a later node holds it strongly), so
+    once the RPC result is dropped the recorded node would die and ``grad_fn.name()`` raise
+    "Attribute 'name' is invalid for this instance of _C._FunctionBase". The send side keeps
+    its outputs for this; keeping the received tensors would also keep their memory until the
+    context closes, so the recv side keeps a zero-element output of the same node instead. It
+    never gets a gradient (nothing uses it), and the node never runs (see ``backward``).
+    """
 
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # detach(): new tensors on the same memory, not views (a view returned by an
         # autograd.Function could not be modified in place; these go to the user)
-        return tuple(t.detach() for t in tensors)
+        return (*(t.detach() for t in tensors), tensors[0].new_empty(0))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, ...]:
@@ -227,7 +236,8 @@ class SendRecord:
 
 @dataclass(eq=False)
 class RecvRecord:
-    """A recv function: its node, where gradients go, and how to zero-fill missing ones."""
+    """A recv function: its node, where gradients go, how to zero-fill missing ones, and the
+    node's anchor output (it keeps the node alive: ``RecvRpc``)."""
 
     msg_id: int
     src: int
@@ -238,6 +248,7 @@ class RecvRecord:
     )
     #: the map gradients go back by (the inverse of the forward's), or None: the options'
     device_map: dict[torch.device, torch.device] | None = None
+    anchor: torch.Tensor | None = None
 
     def fill(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """Zero-fill undefined gradients (the peer's send function needs all of them)."""
@@ -272,8 +283,8 @@ def attach_recv(
 ) -> tuple[RecvRecord, list[torch.Tensor]]:
     """Give ``tensors`` (received, requiring grad) one shared recv function; return the record
     and the tensors the receiver should see instead."""
-    outputs = _apply_recv(*tensors)
-    node = outputs[0].grad_fn
+    *outputs, anchor = _apply_recv(*tensors)
+    node = anchor.grad_fn
     record = RecvRecord(
         msg_id,
         src,
@@ -281,5 +292,6 @@ def attach_recv(
         [GradientEdge(node, i) for i in range(len(outputs))],
         [(t.shape, t.dtype, t.layout, t.device) for t in tensors],
         device_map,
+        anchor,
     )
-    return record, list(outputs)
+    return record, outputs

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from ._functions import edge_roots
+
 __all__ = [
     "GRAD_LOCK",
     "HookedLeaf",
@@ -243,7 +245,13 @@ def run_accumulators(leaves: Sequence[HookedLeaf]) -> None:
     runnable = [leaf for leaf in leaves if leaf.grad is not None]
     if not runnable:
         return
-    roots = tuple(GradientEdge(leaf.node, 0) for leaf in runnable)
+    # The node itself where torch's engine starts from GradientEdge roots (torch 2.4 and
+    # later); before, the leaf tensor: its gradient edge is the same AccumulateGrad node.
+    roots: tuple[Any, ...]
+    if edge_roots():
+        roots = tuple(GradientEdge(leaf.node, 0) for leaf in runnable)
+    else:
+        roots = tuple(leaf.variable for leaf in runnable)
     grads = tuple(leaf.grad for leaf in runnable)
     for leaf in runnable:
         leaf.grad = None  # (fewer references: AccumulateGrad may take the tensor over)

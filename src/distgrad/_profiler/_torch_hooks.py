@@ -16,15 +16,22 @@ torch's profiler classes -- once, when profiling can first be used: an RPC agent
 Everything else (the Kineto trace ``torch.profiler.profile.export_chrome_trace`` writes, for
 one) is torch's alone: remote events are not in it. ``distgrad.profiler.export_chrome_trace``
 writes the trace across workers.
+
+These are torch internals, so each is looked up, not assumed: where ``_ensure_function_events``
+is missing (torch before 2.5 builds the event list in ``__exit__``), the Kineto ``__exit__``
+merges as the legacy one does; where something else is missing or differs, remote events are
+not added to torch's results (one warning) -- RPC itself never depends on this.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import Counter
 from typing import Any
 
+import torch
 from torch.autograd import profiler as autograd_profiler
 from torch.autograd import profiler_legacy, profiler_util
 
@@ -34,6 +41,7 @@ from ._records import Event, Session, pop, push
 __all__ = ["install", "session_of", "time_base_ns"]
 
 _util: Any = profiler_util  # untyped in torch
+_log = logging.getLogger("distgrad.profiler")
 _SESSION = "_distgrad_session"
 _BASE = "_distgrad_base_ns"
 _installed = False
@@ -55,7 +63,10 @@ def time_base_ns(prof: Any) -> int | None:
         prof = inner
     results = getattr(prof, "kineto_results", None)
     if results is not None:
-        return int(results.trace_start_ns())
+        start_ns = getattr(results, "trace_start_ns", None)
+        if start_ns is not None:
+            return int(start_ns())
+        return int(results.trace_start_us()) * 1000  # (torch before 2.4)
     base: int | None = getattr(prof, _BASE, None)
     return base
 
@@ -104,18 +115,18 @@ def merge(events: Any, session: Session, base_ns: int) -> Any:
     extra = [_function_event(e, base_ns, next_id + i) for i, e in enumerate(remote + lost)]
     for fe, event in zip(extra[len(remote) :], lost, strict=True):
         fe.is_remote = event.node != rank
-    use_device = getattr(events, "_use_device", None)
-    profile_memory = getattr(events, "_profile_memory", False)
-    with_flops = getattr(events, "_with_flops", False)
-    added = _util.EventList(
-        extra, use_device=use_device, profile_memory=profile_memory, with_flops=with_flops
-    )
+    options: dict[str, Any] = {
+        "use_device": getattr(events, "_use_device", None),
+        "profile_memory": getattr(events, "_profile_memory", False),
+        "with_flops": getattr(events, "_with_flops", False),
+    }
+    if hasattr(events, "_use_cuda"):  # torch before 2.4: it defaults to True
+        options["use_cuda"] = events._use_cuda
+    added = _util.EventList(extra, **options)
     added._populate_cpu_children()  # (no backward stack traces: remote ones have none)
     merged = _util.EventList(
         sorted([*events, *added], key=lambda fe: (fe.time_range.start, -fe.time_range.end)),
-        use_device=use_device,
-        profile_memory=profile_memory,
-        with_flops=with_flops,
+        **options,
     )
     merged._tree_built = True
     merged._cpu_children_populated = True
@@ -136,18 +147,65 @@ def _close(prof: Any) -> Session | None:
     return session
 
 
+_REQUIRED = (
+    (autograd_profiler.profile, "_start_trace"),
+    (autograd_profiler.profile, "__exit__"),
+    (profiler_legacy.profile, "_start_trace"),
+    (profiler_legacy.profile, "__exit__"),
+    (profiler_util, "FunctionEvent"),
+    (profiler_util, "EventList"),
+    (profiler_util.EventList, "_populate_cpu_children"),
+)
+
+
+def missing_internals() -> list[str]:
+    """The torch profiler internals that :func:`install` wraps or uses and this torch lacks."""
+    return [
+        f"{getattr(owner, '__module__', '')}.{owner.__qualname__}.{name}".lstrip(".")
+        if isinstance(owner, type)
+        else f"{owner.__name__}.{name}"
+        for owner, name in _REQUIRED
+        if getattr(owner, name, None) is None
+    ]
+
+
 def install() -> None:
-    """Wrap torch's profiler methods (idempotent)."""
+    """Wrap torch's profiler methods (idempotent). On a torch that lacks one of them, remote
+    events stay out of torch's profiler results, with one warning, and nothing is wrapped."""
     global _installed
     if _installed:
         return
     _installed = True
+    missing = missing_internals()
+    if missing:
+        _log.warning(
+            "distgrad: torch %s lacks %s; remote events are not added to torch's profiler "
+            "results, and distgrad.profiler.export_chrome_trace is unavailable (RPC itself "
+            "is not affected)",
+            torch.__version__,
+            ", ".join(missing),
+        )
+        return
+    try:
+        _install()  # (it assigns nothing until every wrapper is built)
+    except Exception as exc:  # a torch whose internals differ: the feature is off, RPC is not
+        _log.warning(
+            "distgrad: could not wrap torch %s's profiler (%r); remote events are not added "
+            "to torch's profiler results, and distgrad.profiler.export_chrome_trace is "
+            "unavailable (RPC itself is not affected)",
+            torch.__version__,
+            exc,
+        )
+
+
+def _install() -> None:
     kineto: Any = autograd_profiler.profile
     legacy: Any = profiler_legacy.profile
 
     start_kineto = kineto._start_trace
     exit_kineto = kineto.__exit__
-    ensure_kineto = kineto._ensure_function_events
+    # torch 2.5 and later build the event list lazily here; before, in __exit__
+    ensure_kineto: Any = getattr(kineto, "_ensure_function_events", None)
     start_legacy = legacy._start_trace
     exit_legacy = legacy.__exit__
 
@@ -163,7 +221,19 @@ def install() -> None:
         finally:
             _close(self)
 
-    @functools.wraps(ensure_kineto)
+    @functools.wraps(exit_kineto)
+    def kineto_exit_merging(self: Any, *exc: Any) -> Any:
+        try:
+            result = exit_kineto(self, *exc)
+        finally:
+            session = _close(self)
+        events = getattr(self, "function_events", None)
+        if session is not None and events is not None:
+            base = time_base_ns(self)
+            if base is not None:
+                self.function_events = merge(events, session, base)
+        return result
+
     def kineto_ensure(self: Any) -> Any:
         fresh = self._function_events is None
         result = ensure_kineto(self)
@@ -191,7 +261,10 @@ def install() -> None:
         return result
 
     kineto._start_trace = kineto_start
-    kineto.__exit__ = kineto_exit
-    kineto._ensure_function_events = kineto_ensure
+    if ensure_kineto is not None:
+        kineto.__exit__ = kineto_exit
+        kineto._ensure_function_events = functools.wraps(ensure_kineto)(kineto_ensure)
+    else:
+        kineto.__exit__ = kineto_exit_merging
     legacy._start_trace = legacy_start
     legacy.__exit__ = legacy_exit

@@ -185,9 +185,13 @@ class World:
         self.run_on(rank, lambda: join_group(agent, store, address, False, options.rpc_timeout))
         return rank
 
-    def leave(self, rank: int) -> None:
-        """Worker ``rank`` leaves gracefully (``rpc.shutdown()`` of a dynamic member)."""
-        self.run_on(rank, _api.shutdown)
+    def leave(self, rank: int, timeout: float | None = None) -> None:
+        """Worker ``rank`` leaves gracefully (``rpc.shutdown()`` of a dynamic member; with
+        ``timeout``, ``rpc.shutdown(timeout=timeout)``)."""
+        if timeout is None:
+            self.run_on(rank, _api.shutdown)
+        else:
+            self.run_on(rank, _api.shutdown, True, timeout)
         self._left.add(rank)
 
     def close(self, *, graceful: bool = True) -> None:

@@ -208,8 +208,19 @@ class Transport(Protocol):
         """The link for sending to ``rank``, opened (blocking) on first use."""
         ...
 
+    def open_link(self, rank: int) -> Link | None:
+        """The link for sending to ``rank`` if one is open now, else ``None``; never dials and
+        never waits (the I/O thread uses it: a dial there would stop every connection's
+        reads while the handshake waits for a peer that may itself wait on this worker)."""
+        ...
+
     def is_dead(self, rank: int) -> bool:
         """True once ``rank`` is known to be dead (every later send to it fails)."""
+        ...
+
+    def is_suspected(self, rank: int) -> bool:
+        """True while ``rank`` is suspected: its last connection was lost without proof of
+        death and no new one was opened since."""
         ...
 
     def check_alive(self, rank: int) -> None:

@@ -447,8 +447,15 @@ class FaultyTransport:
     def connection(self, rank: int) -> FaultyLink:
         return self.wrap(self.inner.connection(rank))
 
+    def open_link(self, rank: int) -> FaultyLink | None:
+        link = self.inner.open_link(rank)
+        return None if link is None else self.wrap(link)
+
     def is_dead(self, rank: int) -> bool:
         return self.inner.is_dead(rank)
+
+    def is_suspected(self, rank: int) -> bool:
+        return self.inner.is_suspected(rank)
 
     def check_alive(self, rank: int) -> None:
         self.inner.check_alive(rank)

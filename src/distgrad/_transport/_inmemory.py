@@ -115,6 +115,8 @@ class MemoryTransport:
         self._closing = False
         self._accepted = self._opened = self._protocol_errors = 0
         self.paused = False
+        self._running = threading.Event()  # cleared while paused (a dial to it waits on it)
+        self._running.set()
         # (incoming, function, arguments) of what waits for resume()
         self._held: list[tuple[bool, Callable[..., None], tuple[object, ...]]] = []
 
@@ -193,6 +195,12 @@ class MemoryTransport:
                 self._opened += 1
             return link
 
+    def open_link(self, rank: int) -> MemoryLink | None:
+        link = self._out.get(rank)
+        if link is None or link.closed or self._verdicts.is_dead(rank):
+            return None
+        return link
+
     def _open(self, rank: int) -> MemoryLink:
         label = self._label(rank)
         address = self._peers.get(rank)
@@ -200,11 +208,7 @@ class MemoryTransport:
             raise PeerFailureError(f"no address known for {label}", label)
         peer = self.network._lookup(address.port) if address.host_id == self.network.id else None
         mine = MemoryLink(self, rank, label)
-        theirs = (
-            peer._accept(mine, self.config.rank, self.config.incarnation)
-            if peer is not None
-            else None
-        )
+        theirs = self._handshake(peer, mine, label) if peer is not None else None
         if theirs is None:  # nobody listens there any more: a refused connection
             error = PeerFailureError(f"could not connect to {label}: connection refused", label)
             self._verdicts.prove_dead(rank, error)
@@ -217,6 +221,48 @@ class MemoryTransport:
         mine.other = theirs
         self._verdicts.answered(rank)  # back: it accepted a fresh link
         return mine
+
+    def _handshake(self, peer: MemoryTransport, mine: MemoryLink, label: str) -> MemoryLink | None:
+        """The peer's end of a new link, as a socket handshake gets it: answered by the peer's
+        I/O thread (a peer whose I/O thread is busy -- blocked in a dial of its own -- leaves
+        the dialer waiting), and not at all while the peer is frozen (its kernel would accept
+        the connection, its process not answer). Bounded as over sockets: the handshake
+        timeout, no more than ``peer_timeout``. None: refused (the peer is gone)."""
+        deadline = time.monotonic() + min(self.config.handshake_timeout, self.config.peer_timeout)
+        timed_out = PeerFailureError(
+            f"handshake with {label} timed out: it did not answer within the handshake "
+            "timeout (stalled or overloaded?); not presumed dead: a later call connects again",
+            label,
+        )
+        if peer.paused and not peer._running.wait(max(0.0, deadline - time.monotonic())):
+            self._verdicts.reconnect_failed(mine.peer, timed_out)  # (as sockets: see _dialing)
+            raise timed_out
+        me, incarnation = self.config.rank, self.config.incarnation
+        if peer.io.in_loop():  # (a link to itself, opened on its own I/O thread)
+            return peer._accept(mine, me, incarnation)
+        answered = threading.Event()
+        state: list[object] = []  # the peer's end, or "abandoned" (the dialer gave up)
+        lock = threading.Lock()
+
+        def accept() -> None:
+            with lock:
+                if not state:
+                    state.append(peer._accept(mine, me, incarnation))
+            answered.set()
+
+        try:
+            peer.io.call_soon(accept)
+        except RuntimeError:  # its loop is closed: it is gone
+            return None
+        answered.wait(max(0.0, deadline - time.monotonic()))
+        with lock:
+            if not state:
+                state.append("abandoned")
+                self._verdicts.reconnect_failed(mine.peer, timed_out)
+                raise timed_out
+        theirs = state[0]
+        assert theirs is None or isinstance(theirs, MemoryLink)
+        return theirs
 
     def _accept(self, dialing: MemoryLink, rank: int, incarnation: int) -> MemoryLink | None:
         """The far end of a link another transport opens to this one (None if closing, or
@@ -318,11 +364,13 @@ class MemoryTransport:
         go out (so peers presume it dead after their ``peer_timeout``) -- until :meth:`resume`."""
         with self._lock:
             self.paused = True
+            self._running.clear()
 
     def resume(self) -> None:
         """Deliver what waited, in order, then send what waited."""
         with self._lock:
             self.paused = False
+            self._running.set()
             held, self._held = self._held, []
             links = list(self._links)
         now = time.monotonic()

@@ -185,6 +185,13 @@ class SocketTransport(Accepting, Dialing):
             return conn
         return self._connect(rank)
 
+    def open_link(self, rank: int) -> Connection | LoopbackConnection | None:
+        """The connection to ``rank`` if one is open now (never dials, never waits)."""
+        conn = self._out.get(rank)
+        if conn is None or conn.closed or self._verdicts.is_dead(rank):
+            return None
+        return conn
+
     def is_dead(self, rank: int) -> bool:
         """True once ``rank`` is known to be dead (every later send to it fails)."""
         return self._verdicts.is_dead(rank)

@@ -4,6 +4,9 @@
 * ``_outgoing``: a call is encoded, registered in the calls table (``_call_table``, which
   also holds the timeout wheel) and sent; its answer, timeout, peer failure or the agent
   stopping completes or fails it;
+* ``_oneway``: one-way messages (``notify``, ``post``) and retried internal requests; a send
+  that would have to dial where nothing may wait (the I/O thread, a context's cleanup) goes
+  to the dialing threads (``_dialer``);
 * ``_serving``: a request is decoded, waits for the confirmations of the RRefs it carries,
   runs and is answered; notifications run their handlers;
 * ``_current``: which agent a thread belongs to (the storage; the typed accessors
@@ -71,7 +74,9 @@ from . import _current, _layer
 from ._call_table import CallTable
 from ._codec import Codec
 from ._current import thread_binding
+from ._dialer import Dialer
 from ._events import MembershipEvent, MembershipKind
+from ._oneway import OneWay
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
 from ._pool import ThreadPool
@@ -122,7 +127,7 @@ def set_current_agent(agent: RpcAgent | None) -> None:
     _current.process = agent
 
 
-class RpcAgent(Outgoing, Serving):
+class RpcAgent(Outgoing, OneWay, Serving):
     """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``.
 
     ``transport`` builds the transport that moves its frames (sockets for ``init_rpc``; see
@@ -179,6 +184,7 @@ class RpcAgent(Outgoing, Serving):
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
+        self._dialer = Dialer(on_start=bind)
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
@@ -506,6 +512,7 @@ class RpcAgent(Outgoing, Serving):
             self._workers.stop()
         if self._transport is not None:
             self._transport.close(graceful)
+        self._dialer.stop(timeout=0.2)
         self._fail_all_calls(RpcShutdownError("RPC agent was shut down before the call completed"))
         self._workers.stop()
         self._callbacks.stop()

@@ -5,6 +5,9 @@ Caller threads insert calls while the I/O thread completes, fails and expires th
 access takes the table's lock: a peer failure takes the calls on its link out under the lock
 (:meth:`CallTable.take_on`), and a call inserted meanwhile is either among them or was
 inserted after the link closed -- which its sender sees (``Link.closed``) and fails itself.
+A call whose request is still being written (``_Call.sending``) is left to its sender: only
+the sender knows whether the frame left (a frame that did not is sent again on a new link;
+one that did fails with the link, as the sender sees ``Link.closed`` once the write returns).
 (Iterating a plain dict here while callers inserted raised ``dictionary changed size during
 iteration`` on the I/O thread: the remaining calls were never failed, and their callers hung.)
 """
@@ -58,6 +61,12 @@ class CallTable:
         with self._lock:
             self._calls[call.cid] = call
 
+    def sent(self, call: _Call) -> None:
+        """The sender is done writing ``call``'s request (from now on a loss of its link fails
+        it where the loss is handled); the sender checks ``Link.closed`` after this."""
+        with self._lock:
+            call.sending = False
+
     def pop(self, cid: int) -> _Call | None:
         """Take call ``cid`` out (``None`` if it was completed, failed or expired already);
         whoever gets it finishes it."""
@@ -68,9 +77,12 @@ class CallTable:
             return call
 
     def take_on(self, link: Link) -> list[_Call]:
-        """Take out every call waiting on ``link`` (which broke)."""
+        """Take out every call waiting on ``link`` (which broke), except those still being
+        written: their senders fail or resend them."""
         with self._lock:
-            taken = [call for call in self._calls.values() if call.conn is link]
+            taken = [
+                call for call in self._calls.values() if call.conn is link and not call.sending
+            ]
             for call in taken:
                 del self._calls[call.cid]
                 if call.slot:

@@ -181,6 +181,8 @@ class _Call:
         "future",
         "internal",
         "lock",
+        "sending",
+        "settle",
         "slot",
         "timeout",
     )
@@ -203,6 +205,11 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: its sender is writing the request: a loss of the link meanwhile is the sender's to
+        #: judge (the frame may not have left: it is then sent again), not the I/O thread's
+        self.sending = True
+        #: what the objects pickled into the request want run if it fails (``_delivery``)
+        self.settle: list[Callable[[bool], None]] | None = None
         self.lock: threading.Lock | None = None
         #: for internal calls: called with (result, error) where the answer arrives
         self.callback = callback

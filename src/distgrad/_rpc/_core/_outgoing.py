@@ -32,7 +32,7 @@ from ..._transport._base import Link, Transport
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _layer, _profiling
+from . import _delivery, _layer, _profiling
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -47,9 +47,6 @@ __all__ = ["Outgoing"]
 
 _log = logging.getLogger("distgrad.rpc")
 
-_RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
-_RETRY_BACKOFF = 0.05  # seconds before the first retry; doubles each time
-_SUSPECTED_RETRY = 0.5  # seconds between attempts while the peer is suspected
 
 #: what an internal call's answer is handed to: ``(result, error)``
 AnswerCallback = Callable[[Any, BaseException | None], None]
@@ -109,21 +106,32 @@ class Outgoing:
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
         made: list[CallRecord | None] = []  # the extension's ext, once made
-        if extension is None or internal or not extension.active():
-            extension = None
-            encoded = encode(payload, device_check=check)
-        else:
+        encoding = _delivery.encoding  # (what is pickled into it may ask to hear of failure)
+        settle: _delivery.FailureCallbacks = []
+        encoding.dst = dst.id
+        encoding.callbacks = settle
+        try:
+            if extension is None or internal or not extension.active():
+                extension = None
+                encoded = encode(payload, device_check=check)
+            else:
 
-            def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
-                assert extension is not None
-                record = extension.outgoing_request(dst.id, tensors, force)
-                if record is not None and check.map:  # the forward carries the device map
-                    record = record._replace(device_map=check.map)
-                made.append(record)
-                return record
+                def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
+                    assert extension is not None
+                    record = extension.outgoing_request(dst.id, tensors, force)
+                    if record is not None and check.map:  # the forward carries the device map
+                        record = record._replace(device_map=check.map)
+                    made.append(record)
+                    return record
 
-            encoded = encode(payload, make_ext, check)
-        size = self._codec.check_size(encoded, dst.id)
+                encoded = encode(payload, make_ext, check)
+            size = self._codec.check_size(encoded, dst.id)
+        except BaseException:
+            _delivery.run_failure_callbacks(settle, False)  # never sent
+            raise
+        finally:
+            encoding.dst = -1
+            encoding.callbacks = None
         calls = self._calls
         cid = calls.next_id()
         call = _Call(
@@ -134,6 +142,8 @@ class Outgoing:
             internal=internal,
             callback=callback,
         )
+        if settle:
+            call.settle = settle
         if not internal:
             with self._active_lock:
                 self._active += 1
@@ -150,8 +160,9 @@ class Outgoing:
                 )
             except FrameNotSentError as exc:
                 # The connection was found dead before any byte of the request left: the peer
-                # cannot have run it, so it goes once more, on a fresh connection.
-                if calls.pop(cid) is None:  # failed meanwhile with its connection
+                # cannot have run it, so it goes once more, on a fresh connection. (The loss
+                # of the link left this call alone: it is still being sent, see _call_table.)
+                if calls.pop(cid) is None:  # the agent stopped meanwhile
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
                 calls.add(call)
@@ -161,6 +172,7 @@ class Outgoing:
         except FrameNotSentError as exc:
             if calls.pop(cid) is not None:
                 self._done(call)
+            _delivery.run_failure_callbacks(call.settle, False)
             raise PeerFailureError(
                 f"{exc} (the request was not sent: it was tried again on a new connection, "
                 "which failed too)",
@@ -169,14 +181,18 @@ class Outgoing:
         except BaseException:
             if calls.pop(cid) is not None:
                 self._done(call)
+            _delivery.run_failure_callbacks(call.settle, False)  # (nothing was written)
             raise
         finally:
             if extension is not None:
                 extension.sent()
+        calls.sent(call)
         # The link broke after the call was registered: its failure may have taken the calls
-        # out before this one was in (see _call_table), so fail it here if it is still there.
+        # out before this one was in, or while it was being written (see _call_table), so
+        # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
             self._done(call)
+            _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
         return call
 
@@ -226,6 +242,7 @@ class Outgoing:
                 if not lock.acquire(timeout=call.timeout):
                     if self._calls.pop(call.cid) is not None:
                         self._done(call)
+                        _delivery.run_failure_callbacks(call.settle, True)
                         raise RpcTimeoutError(rpc_timeout_message(call.timeout))
                     lock.acquire()  # completed while we timed out: take the result
             else:
@@ -279,6 +296,8 @@ class Outgoing:
 
         def incarnation_of(self, rank: int) -> int: ...
 
+        def peer_is_dead(self, dst: int) -> bool: ...
+
     def call_internal(
         self,
         dst: int,
@@ -309,115 +328,6 @@ class Outgoing:
         )
         if call.timeout > 0:
             self._arm_timeout(call)
-
-    def notify(
-        self,
-        dst: int,
-        func: Any,
-        args: tuple[Any, ...],
-        *,
-        later: bool = False,
-        device_map: DeviceMap | None = None,
-    ) -> None:
-        """Send a one-way internal message: the receiver runs ``func(*args)`` and answers
-        nothing (an error there is logged there). The layer above learns of a lost peer through
-        the agent's failure detection, not through this call. Raises if it cannot be sent.
-
-        With ``later``, the message goes out with this worker's next write to ``dst`` (after
-        that write's frame), or at the latest with the next heartbeat tick
-        (``heartbeat_interval``): for messages nothing waits for, which then cost no write and
-        no wake-up of the peer of their own. Such a message is lost if the connection fails
-        before it went out. ``device_map`` as for :meth:`call_internal`."""
-        if self.state.stopped:
-            raise self._stopped_error("NOTIFY")
-        assert self._transport is not None
-        conn = self._transport.connection(dst)
-        encoded = encode(
-            (func, args), device_check=self._codec.device_check("Request", dst, device_map)
-        )
-        self._codec.check_size(encoded, dst)
-        info = describe_request(func, args, wrapped=False) if self._describe else None
-        if later:
-            conn.send_frame_later(
-                Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info
-            )
-            return
-        try:
-            conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
-        except FrameNotSentError:  # not sent at all: once more, on a fresh connection
-            conn = self._transport.connection(dst)
-            conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
-
-    def send_with_retries(
-        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
-    ) -> torch.futures.Future[Any]:
-        """An internal message whose handler is idempotent (the reference's
-        ``sendWithRetries``): a failure other than a dead peer or a stopped agent -- a timeout
-        (each attempt has the default RPC timeout) included -- is retried, after a pause that
-        doubles each time (``_RETRY_BACKOFF``), ``attempts`` times in all. A peer that is only
-        *suspected* (silent, or its connection lost without proof of death) is tried again
-        for as long as it stays so, at most every ``_SUSPECTED_RETRY`` seconds and without
-        counting those attempts: what it missed reaches it when it is back (a partition that
-        heals), and the retries end when it is proved dead or this agent stops. The future
-        completes with the result or the last error."""
-        result: torch.futures.Future[Any] = torch.futures.Future()
-        incarnation = self.incarnation_of(dst)
-
-        def failed(exc: BaseException, left: int) -> None:
-            if isinstance(exc, RpcShutdownError) or self.state.stopped:
-                set_future_error(result, exc)
-                return
-            if isinstance(exc, PeerFailureError):
-                transport = self._transport
-                if (
-                    transport is None
-                    or transport.is_dead(dst)
-                    or self.incarnation_of(dst) != incarnation  # never to its successor
-                ):
-                    set_future_error(result, exc)
-                    return
-                left += 1  # suspected: this attempt does not count
-                pause = _SUSPECTED_RETRY
-            elif left <= 1:
-                set_future_error(result, exc)
-                return
-            else:
-                pause = _RETRY_BACKOFF * 2 ** (attempts - left)
-
-            def retry() -> None:  # on the I/O thread: the attempt may block, so not here
-                try:
-                    self._callbacks.submit(attempt, left - 1)
-                except RuntimeError:  # the pool is stopped: this agent stopped
-                    set_future_error(result, exc)
-
-            try:
-                self._io.call_soon(self._io.loop.call_later, pause, retry)
-            except RuntimeError:  # the I/O loop is gone: this agent stopped
-                set_future_error(result, exc)
-
-        def attempt(left: int) -> None:
-            try:
-                # the default timeout: an attempt that is lost is retried after it
-                future = self.call_async(self.get_worker_info(dst), func, args, {}, internal=True)
-            except PeerFailureError as exc:  # gone, or suspected and not reachable now
-                failed(exc, left)
-                return
-            except BaseException as exc:  # this agent stops, bad arguments
-                set_future_error(result, exc)
-                return
-
-            def done(answered: torch.futures.Future[Any]) -> None:
-                try:
-                    value = answered.wait()
-                except BaseException as exc:
-                    failed(exc, left)
-                else:
-                    result.set_result(value)
-
-            future.add_done_callback(done)
-
-        attempt(attempts)
-        return result
 
     # -- complete or fail ------------------------------------------------------------------------
     def _on_answer(self, frame: Frame) -> None:
@@ -480,6 +390,10 @@ class Outgoing:
         """Hand a finished call (taken out of the table; frame or error set) to whoever waits
         for it."""
         self._done(call)
+        if call.settle is not None:
+            frame = call.frame
+            if call.error is not None or frame is None or frame.kind == Kind.ERROR:
+                _delivery.run_failure_callbacks(call.settle, True)  # (it may have arrived)
         if call.lock is not None:
             call.lock.release()
         elif call.callback is not None:

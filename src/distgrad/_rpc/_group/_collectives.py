@@ -144,7 +144,11 @@ def all_gather(
         agent.call_sync(
             leader_info, _gather_to_leader, (key, me, obj, names), {}, timeout, internal=True
         )
-        if not _wait(agent, state.proceed, [leader_info.id], deadline):
+        # Every other member is watched, not only the leader: one found dead means the leader
+        # may be gathering without it (under another key) -- this worker's view of who
+        # survives was stale, and all_gather_survivors must gather again without it.
+        others = [agent.get_worker_info(n).id for n in names if n != me]
+        if not _wait(agent, state.proceed, others, deadline):
             raise RpcTimeoutError(
                 f"timed out in _all_gather after {timeout:.2f} seconds waiting for {leader}"
             )

@@ -103,12 +103,9 @@ class Outbox:
         if agent is None:
             return
         target = self._peer_incarnation.get(dst, 0)
-        try:
-            agent.notify(
-                dst, _reliable_notice, (self._me, self._me_incarnation, target, seq, func, args)
-            )
-        except Exception as exc:  # a lost connection, a suspected peer: resent later
-            _log.debug("notice %s to %s not sent now: %s", seq, dst, exc)
+        # Never waits for a dial (a worker thread unpickling a request, the I/O thread): with
+        # no connection open, the agent's dialing thread sends it. Lost: resent later.
+        agent.post(dst, _reliable_notice, (self._me, self._me_incarnation, target, seq, func, args))
 
     def _ensure_timer(self) -> None:
         with self._lock:

@@ -14,7 +14,12 @@ Terms, as in the reference:
   before the owner knows them (G1 in the reference's notes).
 * **Pending children** are UserRRefs that were sent to another worker: the sender keeps them
   until the receiver says the owner knows the child (G2: a parent outlives its child's
-  registration, so the owner never sees the fork set empty too early).
+  registration, so the owner never sees the fork set empty too early). A child whose request
+  failed is *settled*: dropped if the request certainly never arrived (nothing can exist
+  there), kept but no longer waited for by a graceful shutdown if it may have (the receiver
+  may still accept it, e.g. a frozen peer that comes back); and a shutdown never waits for a
+  child whose receiver or owner is dead, replaced by a new incarnation, or gone from the
+  group -- no acceptance can come from those.
 
 Invariants: a fork id is added to ``forks`` before any delete for it can be sent (the owner adds
 it while handling the creating call, before replying; a forked child is confirmed only after
@@ -106,6 +111,10 @@ class RRefContext:
         self._tombstones: OrderedDict[GloballyUniqueId, None] = OrderedDict()
         self._pending_users: dict[GloballyUniqueId, UserHandle] = {}
         self._pending_children: dict[GloballyUniqueId, UserHandle] = {}
+        #: per pending child: its receiver's rank (-1: unknown) and incarnation then
+        self._child_receivers: dict[GloballyUniqueId, tuple[int, int]] = {}
+        #: pending children whose request failed but may have arrived (not waited for)
+        self._failed_children: set[GloballyUniqueId] = set()
         self._confirmed_users: weakref.WeakValueDictionary[GloballyUniqueId, UserHandle] = (
             weakref.WeakValueDictionary()
         )
@@ -185,13 +194,54 @@ class RRefContext:
         with self._lock:
             self._confirmed_users[fork_id] = rref
 
-    def add_pending_child(self, fork_id: GloballyUniqueId, parent: UserHandle) -> None:
+    def add_pending_child(
+        self, fork_id: GloballyUniqueId, parent: UserHandle, receiver: int = -1
+    ) -> None:
+        incarnation = self.agent.incarnation_of(receiver) if receiver >= 0 else 0
         with self._lock:
             self._pending_children[fork_id] = parent
+            self._child_receivers[fork_id] = (receiver, incarnation)
 
     def del_pending_child(self, fork_id: GloballyUniqueId) -> None:
         with self._lock:
             self._pending_children.pop(fork_id, None)
+            self._child_receivers.pop(fork_id, None)
+            self._failed_children.discard(fork_id)
+
+    def child_failed(self, fork_id: GloballyUniqueId, maybe_delivered: bool) -> None:
+        """The request carrying child ``fork_id`` failed (any thread; quick). Never delivered:
+        no child exists, the parent is let go. Maybe delivered: the receiver may still accept
+        it (then it is let go as usual), but nothing waits for it any more."""
+        if not maybe_delivered:
+            self.del_pending_child(fork_id)
+            return
+        with self._lock:
+            if fork_id in self._pending_children:
+                self._failed_children.add(fork_id)
+
+    def _awaited_children(self) -> int:
+        """Pending children an acceptance may still come for: not failed, their receiver and
+        their owner neither dead, nor replaced, nor gone from the group."""
+        agent = self.agent
+        with self._lock:
+            pending = [
+                (
+                    (parent._owner.id, parent._owner_incarnation),
+                    self._child_receivers.get(fork_id, (-1, 0)),
+                )
+                for fork_id, parent in self._pending_children.items()
+                if fork_id not in self._failed_children
+            ]
+        members = {info.id for info in agent.get_worker_infos()}
+
+        def reachable(rank: int, incarnation: int) -> bool:
+            if rank < 0:
+                return True
+            if rank not in members or agent.peer_is_dead(rank):
+                return False
+            return not incarnation or agent.incarnation_of(rank) == incarnation
+
+        return sum(1 for owner, receiver in pending if reachable(*receiver) and reachable(*owner))
 
     def user_dropped(
         self, owner: int, rref_id: GloballyUniqueId, fork_id: GloballyUniqueId
@@ -216,10 +266,11 @@ class RRefContext:
                 return batches
             batches.setdefault(owner, []).append((rref_id, fork_id))
 
-    def flush_deletes(self) -> list[torch.futures.Future[Any]]:
-        """Tell owners about the dropped users (one message per owner)."""
+    def flush_deletes(self) -> list[tuple[int, torch.futures.Future[Any]]]:
+        """Tell owners about the dropped users (one message per owner); the owners and the
+        futures of their messages."""
         return [
-            self.control(owner, _user_deletes, (pairs,))
+            (owner, self.control(owner, _user_deletes, (pairs,)))
             for owner, pairs in self.take_deletes().items()
         ]
 
@@ -335,12 +386,12 @@ class RRefContext:
         reference."""
         deadline = time.monotonic() + timeout
         if not self._wait_for(
-            lambda: not self._pending_users and not self._pending_children, deadline
+            lambda: not self._pending_users and not self._awaited_children(), deadline
         ):
             _log.warning(
                 "shutdown: %d pending UserRRefs and %d pending forks not settled in time",
                 len(self._pending_users),
-                len(self._pending_children),
+                self._awaited_children(),
             )
         with self._lock:
             users = list(self._confirmed_users.values())
@@ -350,8 +401,12 @@ class RRefContext:
                 rref._deleted = True
                 assert rref._fork_id is not None
                 self._deletes.append((rref._owner.id, rref._rref_id, rref._fork_id))
-        futures = self.flush_deletes()
-        for future in futures:
+        transport = self.agent.transport
+        for owner, future in self.flush_deletes():
+            if transport.is_suspected(owner) or transport.is_dead(owner):
+                # Its calls failed already: not waited for (the delete is retried while this
+                # agent runs; a dead owner's table is gone anyway).
+                continue
             left = deadline - time.monotonic()
             if left <= 0 or not _wait_future(future, left):
                 _log.warning("shutdown: an RRef delete was not acknowledged in time")
@@ -369,6 +424,8 @@ class RRefContext:
             pending = list(self._pending_users.values())
             self._pending_users.clear()
             self._pending_children.clear()
+            self._child_receivers.clear()
+            self._failed_children.clear()
             self._confirmed_users.clear()
         for rref in pending:
             rref._settle(RuntimeError("RPC was shut down before the owner confirmed this RRef"))

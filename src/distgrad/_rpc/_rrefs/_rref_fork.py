@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._core import _delivery
 from ._rref import RRef, SerializedRRef
 from ._rref_context import GloballyUniqueId, context_of
 from ._rref_owner import _agent_or_raise
@@ -30,7 +31,9 @@ def _reduce_rref(rref: RRef[Any]) -> tuple[Any, ForkData]:
         ctx.keep_owner(rref._rref_id, rref._value)
         ctx.add_fork(rref._rref_id, fork_id)
     else:  # a user: stay alive until the owner knows the child
-        ctx.add_pending_child(fork_id, rref)
+        ctx.add_pending_child(fork_id, rref, _delivery.destination())
+        # (if the request carrying it fails, the child is settled: see RRefContext.child_failed)
+        _delivery.on_failure(lambda maybe_delivered: ctx.child_failed(fork_id, maybe_delivered))
     return _rebuild_rref, (rref._owner.id, rref._rref_id, fork_id, ctx.worker_id, rref._script)
 
 

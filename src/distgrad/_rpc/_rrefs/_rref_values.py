@@ -145,6 +145,7 @@ class UserHandle(Protocol):
     _rref_id: GloballyUniqueId
     _fork_id: GloballyUniqueId | None
     _owner: WorkerInfo
+    _owner_incarnation: int
     _timed_out: bool
     _maybe_created: bool
     _deleted: bool
