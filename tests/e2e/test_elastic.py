@@ -40,7 +40,11 @@ def run_leader(mode: str = "leader", timeout: float = 120.0) -> dict[str, object
             pass
         proc.wait()
     assert proc.returncode == 0, err.decode()[-4000:]
-    return json.loads(out.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+    lines = out.decode().strip().splitlines()
+    # (the scenario's result may come from a member that outlives the leader: without it, the
+    # members' stderr, which they share with the leader, says why)
+    assert lines, f"the scenario printed no result; stderr: {err.decode()[-4000:]}"
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
 def test_join_restart_and_leave_with_real_processes() -> None:

@@ -271,3 +271,25 @@ def test_a_failed_reconnect_makes_a_suspected_peer_unreachable_for_a_moment() ->
     verdicts.answered(1)
     verdicts.check_alive(1)
     assert not verdicts.is_suspected(1) and not verdicts.is_dead(1)
+
+
+def test_a_joiners_earlier_links_name_it_once_it_joined(pair: Pair) -> None:
+    """A link opened before its peer's name was known (a joiner's handshake can arrive before
+    the join) names the peer once it joined: the silence error says which worker it was (the
+    marathon saw 'rank 2 sent nothing ...')."""
+    names: dict[int, str] = {}
+
+    def label(rank: int) -> str:
+        return f"worker {names[rank]} (rank {rank})" if rank in names else f"rank {rank}"
+
+    for transport in pair.transports:
+        transport._label = label
+    pair.send(0, 1)
+    pair.send(1, 0)
+    assert all(link.peer_label == "rank 1" for link in pair.links(0))
+    names[1] = "m1"
+    pair.t0.add_peer(1, pair.t0._peers[1])
+    assert pair.links(0) and all(link.peer_label == "worker m1 (rank 1)" for link in pair.links(0))
+    pair.silence(1)
+    peer, error, _ = _wait_lost(pair)
+    assert peer == 1 and "worker m1 (rank 1)" in str(error), error

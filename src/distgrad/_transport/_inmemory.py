@@ -155,6 +155,11 @@ class MemoryTransport:
         if address.incarnation and not self.note_incarnation(rank, address.incarnation):
             return  # a replaced incarnation: it stays dead
         self._verdicts.joined(rank)  # a member joining is reachable (as SocketTransport.add_peer)
+        label = self._label(rank)  # (and its earlier links name it from now on)
+        with self._lock:
+            links = [k for k in self._links if k.peer == rank]
+        for link in links:
+            link.peer_label = label
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself once it has told every member)
@@ -334,7 +339,7 @@ class MemoryTransport:
         for link in list(self._links):
             if link.closed:
                 continue
-            error = judge.silent(link.peer_label, link.last_recv, now) if judging else None
+            error = judge.silent(self._label(link.peer), link.last_recv, now) if judging else None
             if error is not None:
                 link.close(error)
                 continue

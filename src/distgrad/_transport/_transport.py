@@ -155,6 +155,11 @@ class SocketTransport(Accepting, Dialing):
         if address.incarnation and not self.note_incarnation(rank, address.incarnation):
             return  # a replaced incarnation: it stays dead
         self._verdicts.joined(rank)  # a member joining is reachable
+        # Its links may predate its name (a joiner's handshake can arrive before the join):
+        # errors about them name it from now on.
+        label = self._label(rank)
+        for conn in [c for c in list(self._conns) if c.peer == rank]:
+            conn.peer_label = label
 
     def remove_peer(self, rank: int, error: Exception) -> None:
         # (its links stay: the member closes them itself, with a goodbye, once it has told
@@ -270,7 +275,7 @@ class SocketTransport(Accepting, Dialing):
         for conn in list(self._conns):
             if conn.closed:
                 continue
-            error = judge.silent(conn.peer_label, conn.last_recv, now) if judging else None
+            error = judge.silent(self._label(conn.peer), conn.last_recv, now) if judging else None
             if error is not None and not conn.readable_now():
                 _log.warning("%s", error)
                 conn.close(error)

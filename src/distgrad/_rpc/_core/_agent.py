@@ -360,6 +360,8 @@ class RpcAgent(Outgoing, OneWay, Serving):
 
     def _label(self, rank: int) -> str:
         info = self._by_rank.get(rank)
+        if info is None:  # a member that left: errors about it still name it
+            info = next((i for i in list(self.departed.values()) if i.id == rank), None)
         return f"worker {info.name} (rank {rank})" if info else f"rank {rank}"
 
     # -- lookups ---------------------------------------------------------------------------------
