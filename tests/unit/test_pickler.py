@@ -472,7 +472,7 @@ def _view_frame(
 ) -> tuple[bytes, list[Any]]:
     """A hand-made message: one float32 view over a storage of ``nbytes`` received bytes."""
     from distgrad._wire._buffers import _rebuild_view
-    from distgrad._wire._pickler import _Storage
+    from distgrad._wire._reducers import _Storage
 
     class Frame:
         def __reduce__(self) -> Any:
