@@ -408,3 +408,30 @@ def test_a_call_to_a_departed_member_fails_at_once_while_its_link_is_still_open(
         with pytest.raises(PeerFailureError, match=r"worker2 \(rank 2\) has left the RPC group"):
             world.run_on(0, rpc.rpc_sync, info, whoami)
         thread.join(10)
+
+
+def test_an_incarnation_removed_from_the_group_cannot_join_later() -> None:
+    """A member told that an incarnation is gone (a join undone by the next holder of the
+    membership token) refuses that incarnation's late word that it joined; a new incarnation
+    of the same rank is welcome; telling the same join twice changes nothing."""
+    from distgrad._rpc._core._worker_info import WorkerInfo
+    from distgrad._transport._base import PeerAddress
+
+    events: list[str] = []
+    with open_world(1, dynamic=True) as world:
+        agent = world.agents[0]
+        world.run_on(0, rpc.add_membership_listener, lambda e: events.append(str(e)))
+        late = PeerAddress("memory", 0, None, "h", incarnation=0xBAD)
+        world.run_on(0, agent.remove_member, 5, 0xBAD, "its join was undone")
+        with pytest.raises(RuntimeError, match=r"worker5 \(rank 5\) incarnation 0*bad was removed"):
+            world.run_on(0, agent.add_member, WorkerInfo("worker5", 5), late)
+        assert names(world, 0) == ["worker0"]
+        fresh = PeerAddress("memory", 0, None, "h", incarnation=0x600D)
+        world.run_on(0, agent.add_member, WorkerInfo("worker5", 5), fresh)
+        world.run_on(0, agent.add_member, WorkerInfo("worker5", 5), fresh)  # asked again
+        assert names(world, 0) == ["worker0", "worker5"]
+        deadline = time.monotonic() + 5
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert events == ["worker5 (rank 5) joined"]
