@@ -31,6 +31,7 @@ import queue
 import re
 import socket
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +57,7 @@ __all__ = [
     "print_table",
     "quiet_env",
     "run_group",
+    "run_in_tree",
     "snapshot_package",
     "write_json",
 ]
@@ -617,3 +619,22 @@ def write_json(path: str | os.PathLike[str], data: Any) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(clean(data), indent=2) + "\n")
+
+
+def run_in_tree(script: str, tree: str, args: list[str], timeout: float) -> dict[str, float]:
+    """Run ``script`` with ``args`` in a fresh interpreter whose distgrad is the one under
+    ``tree`` (a ``src/`` folder), and return the JSON object its last output line holds (the
+    A/B benchmarks compare two trees this way)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+    done = subprocess.run(
+        [sys.executable, script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"run of {tree} failed:\n{done.stderr[-2000:]}")
+    value: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return value

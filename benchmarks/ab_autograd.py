@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import run_group
+from _common import run_group, run_in_tree
 from autograd_bench import HIDDEN, remote_layer
 
 KEYS = ("step_us", "backward_us", "cpu0_us")
@@ -80,16 +78,6 @@ def _one(iters: int, batch: int) -> int:
     return 0
 
 
-def _run(tree: str, iters: int, batch: int) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
-    args = [sys.executable, __file__, "--one", "--iters", str(iters), "--batch", str(batch)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=400, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"run of {tree} failed:\n{done.stderr[-2000:]}")
-    value: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", nargs="?", help="the src/ folder of the tree to compare against")
@@ -106,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     for pair in range(args.pairs):
         for name, tree in (("old", args.old), ("new", args.new)):
-            value = _run(tree, args.iters, args.batch)
+            value = run_in_tree(
+                __file__,
+                tree,
+                ["--one", "--iters", str(args.iters), "--batch", str(args.batch)],
+                400,
+            )
             runs[name].append(value)
             shown = " ".join(f"{k}={value[k]:.0f}" for k in KEYS)
             print(f"pair {pair + 1} {name}: {shown}", flush=True)

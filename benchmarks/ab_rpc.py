@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import load_average, run_group
+from _common import load_average, run_group, run_in_tree
 from _pingpong import pingpong_us
 from rpc_bench import caller
 
@@ -47,16 +45,6 @@ def _one(cfg: dict[str, Any]) -> int:
         )
     )
     return 0
-
-
-def _run(tree: str, cfg: dict[str, Any]) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
-    args = [sys.executable, __file__, "--one", json.dumps(cfg)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=700, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"run of {tree} failed:\n{done.stderr[-2000:]}")
-    value: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             order = order[::-1]
         row = {"floor": floor}
         for name, tree in order:
-            value = _run(tree, cfg)
+            value = run_in_tree(__file__, tree, ["--one", json.dumps(cfg)], 700)
             row[f"{name}_latency"] = value["latency_us"]
             row[f"{name}_async"] = value["async_per_s"]
         rows.append(row)
