@@ -76,6 +76,7 @@ from ._codec import Codec
 from ._current import thread_binding
 from ._dialer import Dialer
 from ._events import MembershipEvent, MembershipKind
+from ._lane import SerialLane
 from ._oneway import OneWay
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import Outgoing
@@ -184,6 +185,8 @@ class RpcAgent(Outgoing, OneWay, Serving):
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
+        # one-way messages with device tensors are decoded here, off the I/O thread (_serving)
+        self._device_lane = SerialLane("distgrad-device-lane", on_start=bind)
         self._dialer = Dialer(on_start=bind)
         self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
@@ -516,6 +519,7 @@ class RpcAgent(Outgoing, OneWay, Serving):
             self._transport.close(graceful)
         self._dialer.stop(timeout=0.2)
         self._fail_all_calls(RpcShutdownError("RPC agent was shut down before the call completed"))
+        self._device_lane.stop()
         self._workers.stop()
         self._callbacks.stop()
         self._io.stop()

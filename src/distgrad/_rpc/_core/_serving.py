@@ -26,6 +26,7 @@ from ..._wire._pickler import decode, dumps, encode, loads
 from . import _layer, _profiling
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
+from ._lane import SerialLane
 from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
@@ -51,6 +52,7 @@ class Serving:
     _gil_profiling: bool
     _gil_wait: list[float]
     _workers: ThreadPool
+    _device_lane: SerialLane
     state: AgentState
     _stats: StatisticsRecorder
 
@@ -75,6 +77,17 @@ class Serving:
             )
 
     def _on_notify(self, conn: Link, frame: Frame) -> None:
+        lane = self._device_lane
+        if (frame.buffers and self._codec.backend.name != "cpu") or lane.busy():
+            # device tensors may be in it: decode off the I/O thread, in order (``_lane``)
+            try:
+                lane.submit(self._handle_notification, conn, frame)
+            except RuntimeError:  # stopped: as a notification for a stopped agent
+                pass
+            return
+        self._handle_notification(conn, frame)
+
+    def _handle_notification(self, conn: Link, frame: Frame) -> None:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
         except BaseException as exc:
