@@ -40,7 +40,9 @@ class CudaBackend(DeviceBackend):
     def stage(self, tensor: torch.Tensor, target: torch.device) -> Any:
         requires_grad = tensor.requires_grad
         source = tensor.detach()
-        if source.device.type == "cuda":
+        if source.layout != torch.strided:  # sparse: its indices and values, to the host
+            host = source.cpu()
+        elif source.device.type == "cuda":
             device = source.device
             stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch's pool
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -62,13 +64,18 @@ class CudaBackend(DeviceBackend):
         arrivals = state.arrivals
         stream = arrivals.streams.get(device) if arrivals is not None else None
         if stream is None:
+            # a fresh pool stream, as torch's receive: it waits on nothing (the thread's
+            # current stream may be a training loop's backlog: a pageable copy queued behind
+            # it would hold this thread until the GPU drained it)
             stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            out = torch.empty(host.shape, dtype=host.dtype, device=device)
-            # pageable source: the driver has staged it when this returns, so the received
-            # buffer may be freed at once; a pinned one would let the copy overlap the receive
-            out.copy_(host, non_blocking=True)
+            if host.layout != torch.strided:  # sparse: indices and values go over
+                out = host.to(device, non_blocking=True)
+            else:
+                out = torch.empty(host.shape, dtype=host.dtype, device=device)
+                # pageable source: the driver has staged it when this returns, so the received
+                # buffer may be freed at once; a pinned one would let the copy overlap the receive
+                out.copy_(host, non_blocking=True)
         _note(device, stream, out)
         return out
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable
@@ -59,12 +60,46 @@ __all__ = [
     "deserialize_with_table",
     "dumps",
     "encode",
+    "extracting_tensors",
     "loads",
     "register_reducer",
     "serialize_with_table",
 ]
 
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
+
+
+def _skipped() -> None:
+    """What a value torch's tensor extraction skipped stands for (never unpickled)."""
+
+
+#: the reduction of an object that :func:`extracting_tensors` says need not be pickled
+SKIPPED: tuple[Any, ...] = (_skipped, ())
+
+
+def extracting_tensors() -> bool:
+    """Whether the object whose ``__reduce__`` (or ``__getstate__``) calls this is being
+    pickled by torch's ``_extract_tensors``: a device-aware ``torch.futures.Future``
+    completing (``rpc_async``, ``then()`` with devices configured) pickles its value with a
+    plain pickler only to find the tensors in it, and skips torch's own RRefs. distgrad's
+    RRef and RemoteModule refuse plain pickling, so they return :data:`SKIPPED` there instead:
+    they hold no tensor that the future must synchronise (issue 29, item 2)."""
+    code = _extract_tensors_code()
+    frame: types.FrameType | None = sys._getframe(
+        2
+    )  # the pickler is C code: its caller's frame is the next one
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _extract_tensors_code() -> Any:
+    extract = getattr(torch._jit_internal, "_extract_tensors", None)
+    return getattr(extract, "__code__", None)
 
 
 def _table_ref(index: int) -> torch.Tensor:

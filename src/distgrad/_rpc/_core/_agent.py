@@ -81,6 +81,7 @@ from ._codec import Codec
 from ._current import thread_binding
 from ._dialer import Dialer
 from ._events import MembershipEvent, MembershipKind
+from ._lane import SerialLane
 from ._oneway import RETRY_ATTEMPTS, OneWay
 from ._options import TensorPipeRpcBackendOptions
 from ._outgoing import AnswerCallback, Outgoing
@@ -182,6 +183,8 @@ class RpcAgent:
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
+        # one-way messages with device tensors are decoded here, off the I/O thread (_serving)
+        self._device_lane = SerialLane("distgrad-device-lane", on_start=bind)
         self._dialer = Dialer(on_start=bind)
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
@@ -211,6 +214,7 @@ class RpcAgent:
             agent=self,
             codec=self._codec,
             workers=self._workers,
+            device_lane=self._device_lane,
             stats=self._stats,
             blocking=self.blocking,
         )
@@ -645,6 +649,7 @@ class RpcAgent:
         self._outgoing.fail_all_calls(
             RpcShutdownError("RPC agent was shut down before the call completed")
         )
+        self._device_lane.stop()
         self._workers.stop()
         self._callbacks.stop()
         self._io.stop()

@@ -27,6 +27,7 @@ from ..._wire._pickler import decode, dumps, encode, loads
 from . import _layer, _profiling
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
+from ._lane import SerialLane
 from ._layer import LayerAgent
 from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
@@ -52,6 +53,7 @@ class Serving:
         agent: LayerAgent,
         codec: Codec,
         workers: ThreadPool,
+        device_lane: SerialLane,
         stats: StatisticsRecorder,
         blocking: Callable[[], contextlib.AbstractContextManager[None]],
     ) -> None:
@@ -61,6 +63,8 @@ class Serving:
         self._codec = codec
         #: where requests run
         self._workers = workers
+        #: one-way messages with device tensors are decoded here, off the I/O thread
+        self._device_lane = device_lane
         self._stats = stats
         #: a block that waits for other workers (frees the worker's pool slot meanwhile)
         self._blocking = blocking
@@ -95,6 +99,17 @@ class Serving:
             )
 
     def on_notify(self, conn: Link, frame: Frame) -> None:
+        lane = self._device_lane
+        if (frame.buffers and self._codec.backend.name != "cpu") or lane.busy():
+            # device tensors may be in it: decode off the I/O thread, in order (``_lane``)
+            try:
+                lane.submit(self._handle_notification, conn, frame)
+            except RuntimeError:  # stopped: as a notification for a stopped agent
+                pass
+            return
+        self._handle_notification(conn, frame)
+
+    def _handle_notification(self, conn: Link, frame: Frame) -> None:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
         except BaseException as exc:
