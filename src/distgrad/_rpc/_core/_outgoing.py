@@ -245,8 +245,22 @@ class Outgoing:
         if pool is not None:  # a pool thread waiting here frees its slot meanwhile
             pool.enter_blocking()
         try:
-            if call.timeout > 0:
-                if not lock.acquire(timeout=call.timeout):
+            timeout = call.timeout
+            # Waiting alone, the caller reads its own answer off the connection (no thread
+            # woken to hand it over); if another thread reads it, the answer is handed over.
+            read_until = getattr(call.conn, "read_until", None)
+            if read_until is None:
+                answered = False
+            elif timeout > 0:
+                started = time.monotonic()
+                answered = read_until(lock, timeout)
+                timeout = max(0.001, timeout - (time.monotonic() - started))
+            else:
+                answered = read_until(lock, 0.0)
+            if answered:
+                pass
+            elif timeout > 0:
+                if not lock.acquire(timeout=timeout):
                     if self.calls.pop(call.cid) is not None:
                         self._done(call)
                         _delivery.run_failure_callbacks(call.settle, True)

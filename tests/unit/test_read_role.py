@@ -1,0 +1,165 @@
+"""Unit tests of a connection's read role (``_poller``, ``Connection.read_until``), over a real
+socket pair: a caller waiting alone reads its own answer on its own thread (the I/O thread
+reads nothing meanwhile), hands the role back so that the I/O thread reads what comes after,
+gives up at once when another thread holds the role, and returns when the connection is
+closed under it or its time is up."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from distgrad._transport._connection import Connection
+from distgrad._transport._io import IoThread
+from distgrad._transport._poller import ReadPoller, available
+from distgrad._wire._frames import Frame, Kind, encode_frame
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs epoll (Linux)")
+
+
+@dataclass
+class Owner:
+    """Records the frames handed on and the thread each was handed on by; releases
+    ``answered`` at a RESPONSE (as the agent releases a waiting caller's lock)."""
+
+    answered: threading.Lock = field(default_factory=threading.Lock)
+    frames: list[tuple[int, int, str]] = field(default_factory=list)  # kind, id, thread
+    got: threading.Event = field(default_factory=threading.Event)
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        self.frames.append((frame.kind, frame.message_id, threading.current_thread().name))
+        self.got.set()
+        if frame.kind == Kind.RESPONSE:
+            self.answered.release()
+
+    def on_closed(self, conn: Connection, error: Exception | None) -> None:
+        self.closed.set()
+
+
+@dataclass
+class Pair:
+    conn: Connection
+    peer: socket.socket
+    owner: Owner
+    io: IoThread
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.settimeout(5.0)
+    io = IoThread(name="test-io")
+    io.start()
+    poller = ReadPoller(io)
+    io.call_soon(poller.start)
+    owner = Owner()
+    owner.answered.acquire()  # (the "call" waits for it)
+    conn = Connection(owner, io, a, 1, "worker w1 (rank 1)", 1 << 20)
+    conn.poller = poller
+    io.call_soon(conn.start)
+    try:
+        yield Pair(conn, b, owner, io)
+    finally:
+        conn.close()
+        io.call_soon(poller.close)
+        io.stop()
+        a.close()
+        b.close()
+
+
+def _read_in_thread(conn: Connection, lock: threading.Lock, timeout: float) -> list[bool]:
+    """``conn.read_until(lock, timeout)`` on a thread named test-caller; its result."""
+    result: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: result.append(conn.read_until(lock, timeout)), name="test-caller"
+    )
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "read_until did not return"
+    return result
+
+
+def _until_held(conn: Connection) -> None:
+    """Wait until a caller holds ``conn``'s read role (nothing else reads in these tests)."""
+    deadline = time.monotonic() + 10
+    while not conn.reading.locked():
+        assert time.monotonic() < deadline, "the caller never took the read role"
+        time.sleep(0.001)
+
+
+def test_a_caller_reads_its_own_answer_and_the_loop_reads_nothing(pair: Pair) -> None:
+    """Frames that come while a caller waits are read and handed on by the caller's thread
+    (a heartbeat before the answer too); the I/O thread hands on none of them."""
+    started = threading.Event()
+
+    def call() -> bool:
+        started.set()
+        return pair.conn.read_until(pair.owner.answered, 10.0)
+
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(call()), name="test-caller")
+    thread.start()
+    started.wait(5)
+    _until_held(pair.conn)
+    pair.peer.sendall(encode_frame(Kind.NOTIFY, 0, b"first")[0])
+    pair.peer.sendall(encode_frame(Kind.RESPONSE, 7, b"answer")[0])
+    thread.join(10)
+    assert result == [True]
+    assert [f[:2] for f in pair.owner.frames] == [(Kind.NOTIFY, 0), (Kind.RESPONSE, 7)]
+    assert {f[2] for f in pair.owner.frames} == {"test-caller"}
+
+
+def test_the_role_goes_back_to_the_loop(pair: Pair) -> None:
+    """After the caller got its answer, frames that come are read by the I/O thread (the
+    socket was armed again): nothing is left unread."""
+    pair.peer.sendall(encode_frame(Kind.RESPONSE, 1, b"answer")[0])
+    # (the loop or the caller reads it; either way the caller gets it)
+    assert _read_in_thread(pair.conn, pair.owner.answered, 10.0) == [True]
+    pair.owner.got.clear()
+    pair.peer.sendall(encode_frame(Kind.NOTIFY, 0, b"after")[0])
+    assert pair.owner.got.wait(10), "a frame after the caller's answer was never read"
+    assert pair.owner.frames[-1][:2] == (Kind.NOTIFY, 0)
+    assert pair.owner.frames[-1][2] == "test-io"
+
+
+def test_a_held_role_is_not_taken(pair: Pair) -> None:
+    """While another thread holds the read role, a caller does not read: it returns False at
+    once (and waits for its answer to be handed over)."""
+    with pair.conn.reading:
+        assert pair.conn.read_until(pair.owner.answered, 10.0) is False
+
+
+def test_a_close_under_the_caller_ends_its_read(pair: Pair) -> None:
+    """A connection closed by another thread while a caller reads it (its peer judged silent,
+    the agent stopping) ends the read: read_until returns False, the role is given back."""
+    started = threading.Event()
+    result: list[bool] = []
+
+    def call() -> None:
+        started.set()
+        result.append(pair.conn.read_until(pair.owner.answered, 0.0))  # (no timeout)
+
+    thread = threading.Thread(target=call, name="test-caller")
+    thread.start()
+    started.wait(5)
+    _until_held(pair.conn)
+    pair.conn.close(None)
+    thread.join(10)
+    assert not thread.is_alive() and result == [False]
+    assert pair.owner.closed.wait(10)
+    assert pair.conn.reading.acquire(timeout=10)
+
+
+def test_the_time_up_ends_the_read(pair: Pair) -> None:
+    """With no answer, read_until returns False when its time is up, and the loop reads what
+    comes later."""
+    assert _read_in_thread(pair.conn, pair.owner.answered, 0.05) == [False]
+    pair.peer.sendall(encode_frame(Kind.RESPONSE, 3, b"late")[0])
+    assert pair.owner.answered.acquire(timeout=10), "the late answer was never read"
