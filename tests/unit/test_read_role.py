@@ -1,8 +1,10 @@
-"""Unit tests of a connection's read role (``_poller``, ``Connection.read_until``), over a real
-socket pair: a caller waiting alone reads its own answer on its own thread (the I/O thread
-reads nothing meanwhile), hands the role back so that the I/O thread reads what comes after,
-gives up at once when another thread holds the role, and returns when the connection is
-closed under it or its time is up."""
+"""Unit tests of a connection's read role (``_poller``, ``Connection.read_until``,
+``Connection.serve_lingering``), over a real socket pair: a caller waiting alone reads its own
+answer on its own thread (the I/O thread reads nothing meanwhile), hands the role back so that
+the I/O thread reads what comes after, gives up at once when another thread holds the role,
+and returns when the connection is closed under it or its time is up; a worker lingering on
+its connection hands on the next request itself, and leaves every other frame -- and what
+follows it -- to the I/O thread, in order."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from distgrad._rpc._core._pool import ThreadPool
+from distgrad._transport import _connection
 from distgrad._transport._connection import Connection
 from distgrad._transport._io import IoThread
 from distgrad._transport._poller import ReadPoller, available
@@ -163,3 +167,102 @@ def test_the_time_up_ends_the_read(pair: Pair) -> None:
     assert _read_in_thread(pair.conn, pair.owner.answered, 0.05) == [False]
     pair.peer.sendall(encode_frame(Kind.RESPONSE, 3, b"late")[0])
     assert pair.owner.answered.acquire(timeout=10), "the late answer was never read"
+
+
+def _linger(pair: Pair, monkeypatch: pytest.MonkeyPatch, *frames: bytes) -> list[bool]:
+    """``serve_lingering`` on a thread named test-worker (lingering long enough for the test),
+    with ``frames`` sent once it holds the read role; its result."""
+    monkeypatch.setattr(_connection, "_LINGER", 10.0)
+    result: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: result.append(pair.conn.serve_lingering()), name="test-worker"
+    )
+    thread.start()
+    _until_held(pair.conn)
+    pair.peer.sendall(b"".join(frames))
+    thread.join(15)
+    assert not thread.is_alive(), "serve_lingering did not return"
+    return result
+
+
+def _frame(kind: int, message_id: int, meta: bytes) -> bytes:
+    return b"".join(bytes(piece) for piece in encode_frame(kind, message_id, meta))
+
+
+def test_a_lingering_worker_takes_the_next_request_itself(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that comes while a worker lingers on the connection is handed on by the
+    worker's own thread (the agent keeps it to run there)."""
+    assert _linger(pair, monkeypatch, _frame(Kind.REQUEST, 5, b"call")) == [True]
+    assert pair.owner.frames == [(Kind.REQUEST, 5, "test-worker")]
+
+
+def test_what_is_not_a_request_goes_to_the_io_thread_in_order(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notification read by a lingering worker is handed on by the I/O thread (whose
+    handlers it may be meant for), and so is every frame after it in that read -- a request
+    included -- in order; then the I/O thread reads what comes next."""
+    sent = (
+        _frame(Kind.REQUEST, 1, b"a"),
+        _frame(Kind.NOTIFY, 0, b"n"),
+        _frame(Kind.REQUEST, 2, b"b"),
+    )
+    assert _linger(pair, monkeypatch, *sent) == [True]
+    deadline = time.monotonic() + 10
+    while len(pair.owner.frames) < 3:
+        assert time.monotonic() < deadline, pair.owner.frames
+        time.sleep(0.001)
+    assert pair.owner.frames == [
+        (Kind.REQUEST, 1, "test-worker"),
+        (Kind.NOTIFY, 0, "test-io"),
+        (Kind.REQUEST, 2, "test-io"),
+    ]
+    pair.owner.got.clear()
+    pair.peer.sendall(_frame(Kind.NOTIFY, 0, b"later"))
+    assert pair.owner.got.wait(10), "the read role never came back to the I/O thread"
+    assert pair.owner.frames[-1] == (Kind.NOTIFY, 0, "test-io")
+
+
+def test_lingering_that_finds_nothing_stops(pair: Pair) -> None:
+    """Lingering that keeps finding nothing on a connection stops there: after a few empty
+    lingers the worker does not even take the read role."""
+    for _ in range(100):
+        assert pair.conn.serve_lingering() is False  # (nothing is sent)
+        if pair.conn._linger_credit <= 0:
+            break
+    assert pair.conn._linger_credit <= 0
+    pair.owner.got.clear()
+    assert pair.conn.serve_lingering() is False  # skipped: the role stays with the loop ...
+    pair.peer.sendall(_frame(Kind.NOTIFY, 0, b"n"))
+    assert pair.owner.got.wait(10)
+    assert pair.owner.frames == [(Kind.NOTIFY, 0, "test-io")]  # ... which reads what comes
+
+
+def test_a_lingering_pool_thread_is_not_busy() -> None:
+    """A pool thread lingering counts as neither busy nor against the maximum; it does not
+    linger while work waits for a thread."""
+    pool = ThreadPool("test-pool", 1)
+    lingering = threading.Event()
+    go_on = threading.Event()
+    seen: list[int] = []
+
+    def task() -> None:
+        assert pool.linger_start()
+        lingering.set()
+        go_on.wait(10)
+        pool.linger_end()
+
+    try:
+        pool.submit(task)
+        assert lingering.wait(10)
+        seen.append(pool.busy())
+        done = threading.Event()
+        pool.submit(done.set)  # runs although the only slot's thread lingers
+        assert done.wait(10)
+        go_on.set()
+    finally:
+        go_on.set()
+        pool.stop()
+    assert seen == [0]

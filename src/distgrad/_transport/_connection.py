@@ -51,6 +51,12 @@ _DRAIN_SECONDS = 1.0
 #: a caller reading its own answer looks up at least this often (seconds): a call failed or
 #: the connection closed by another thread meanwhile is seen within it
 _READ_SLICE = 0.05
+#: how long a worker that served a request waits on its connection for the next one
+#: (``serve_lingering``), and how many lingers in a row may find nothing before it stops
+#: lingering there (it tries again after every ``_LINGER_RETRY``-th skipped chance)
+_LINGER = 0.002
+_LINGER_CREDIT = 3
+_LINGER_RETRY = 32
 
 Piece = bytes | memoryview
 
@@ -118,6 +124,14 @@ class Connection:
         #: waiting for its answer: :meth:`read_until`)
         self.reading = threading.Lock()
         self._wait: select.poll | None = None  # (the waiting caller's poll object, kept)
+        # a worker lingering on this connection for the next request (serve_lingering): the
+        # frames it read that are not requests wait here for the I/O thread, in order
+        self._lingering = False
+        self._pending: list[Frame] = []
+        self._linger_credit = _LINGER_CREDIT
+        self._linger_skipped = 0
+        self._requests_handed = 0  # (while lingering)
+        self._handed = False  # the read role is held for the I/O thread (_hand_pending)
         self.closed = False
         self.goodbye_received = False
         self._goodbye_sent = False
@@ -190,6 +204,8 @@ class Connection:
         ``_DRAIN_SECONDS``, and hand on the complete frames; stops at the first read that
         would block, the peer's EOF, or an error."""
         deadline = time.monotonic() + _DRAIN_SECONDS
+        if self._handed:  # (a lingering worker's frames, queued behind this: first)
+            self._hand_pending()
         if not self.reading.acquire(timeout=_DRAIN_SECONDS):
             return  # (a caller holds the read role: it reads what is there)
         try:
@@ -517,6 +533,77 @@ class Connection:
             if not self.closed:
                 poller.arm(fd)
 
+    def serve_lingering(self) -> bool:
+        """On a worker that served a request from this connection: wait a moment
+        (``_LINGER``) for the next frame on this thread, and read what came, handing on its
+        requests here -- the owner may keep one to run on this thread -- so that a peer that
+        calls again at once wakes this worker only, not the I/O thread and then a worker.
+        Any other frame, and everything after it in that read, goes to the I/O thread in
+        order (as if it had read them: handlers meant for the I/O thread run there). Returns
+        whether a request was handed on here (so lingering again may pay). A connection
+        where lingering keeps finding nothing is not lingered on for a while."""
+        poller = self.poller
+        if poller is None or self._tls or self.closed:
+            return False
+        if self._linger_credit <= 0:
+            self._linger_skipped += 1
+            if self._linger_skipped < _LINGER_RETRY:
+                return False
+            self._linger_skipped = 0
+            self._linger_credit = 1
+        if not self.reading.acquire(blocking=False):
+            return False
+        fd = self._fd
+        got = False
+        try:
+            poller.disarm(fd)
+            wait = self._wait
+            if wait is None:
+                wait = self._wait = select.poll()
+                wait.register(fd, select.POLLIN)
+            if wait.poll(int(_LINGER * 1000)):
+                self._lingering = True
+                before = self._requests_handed
+                while self._read_step() > 0:
+                    pass
+                got = self._requests_handed != before
+        finally:
+            self._lingering = False
+            if got:
+                self._linger_credit = min(_LINGER_CREDIT, self._linger_credit + 1)
+            else:
+                self._linger_credit -= 1
+            if self._pending:
+                self._handed = True
+                self._io.call_soon(self._hand_pending)  # (it gives the read role back)
+            else:
+                self.reading.release()
+                if not self.closed:
+                    poller.arm(fd)
+        return got
+
+    def _hand_pending(self) -> None:
+        """I/O thread: hand on the frames a lingering worker left, then give the read role
+        back (held for this since the worker read them) and re-arm the socket."""
+        if not self._handed:
+            return
+        self._handed = False
+        frames, self._pending = self._pending, []
+        try:
+            for frame in frames:
+                if frame.kind == Kind.GOODBYE:
+                    self.goodbye_received = True
+                    continue
+                try:
+                    self._owner.on_frame(self, frame)
+                except Exception:
+                    _log.exception("error while handling a frame from %s", self.peer_label)
+        finally:
+            self.reading.release()
+            poller = self.poller
+            if poller is not None and not self.closed:
+                poller.arm(self._fd)
+
     def _on_readable(self) -> None:
         for _ in range(_READS_PER_WAKEUP):
             if self._read_step() <= 0:
@@ -563,6 +650,11 @@ class Connection:
         for frame in frames:
             if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
                 continue
+            if self._lingering:
+                if self._pending or frame.kind != Kind.REQUEST:
+                    self._pending.append(frame)  # (for the I/O thread, in order)
+                    continue
+                self._requests_handed += 1
             if frame.kind == Kind.GOODBYE:
                 self.goodbye_received = True
                 continue

@@ -69,6 +69,7 @@ class Serving:
         #: a block that waits for other workers (frees the worker's pool slot meanwhile)
         self._blocking = blocking
         self._lock = threading.Lock()
+        self._here = _Here()  # a worker lingering on its connection (_serve_and_linger)
         #: ``@async_execution`` requests whose future is pending
         self.serving_async = 0
         # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
@@ -84,11 +85,15 @@ class Serving:
 
     # -- receive (I/O thread) --------------------------------------------------------------------
     def on_request(self, conn: Link, frame: Frame) -> None:
+        slot = self._here.slot
+        if slot is not None and not slot:  # read by a lingering worker: it runs it itself
+            slot.append(frame)
+            return
         try:
             if self.gil_profiling:
                 self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
             else:
-                self._workers.submit(self._serve, conn, frame)
+                self._workers.submit(self._serve_and_linger, conn, frame)
         except RuntimeError:  # the pool is stopped: say so rather than let the caller wait
             self._reply_error(
                 conn,
@@ -143,6 +148,29 @@ class Serving:
             self.gil_wait[0] += waited
             self.gil_wait[1] += 1
         self._serve(conn, frame)
+
+    def _serve_and_linger(self, conn: Link, frame: Frame) -> None:
+        """:meth:`_serve`, then, while the pool has nothing waiting, linger on ``conn`` for
+        the peer's next request and serve it on this thread: a peer calling again at once
+        wakes this worker only (``Connection.serve_lingering``)."""
+        self._serve(conn, frame)
+        linger = getattr(conn, "serve_lingering", None)
+        if linger is None:
+            return
+        pool = self._workers
+        here = self._here
+        while not self._shared.state.stopped and pool.linger_start():
+            slot: list[Frame] = []
+            here.slot = slot
+            try:
+                got = linger()
+            finally:
+                here.slot = None
+                pool.linger_end()
+            if slot:
+                self._serve(conn, slot[0])
+            if not got:
+                return
 
     def _serve(self, conn: Link, frame: Frame) -> None:
         size = len(frame.meta)
@@ -349,6 +377,12 @@ class Serving:
             conn.send_frame(kind, message_id, meta, buffers, flags)
         except DistgradError as exc:
             _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
+
+
+class _Here(threading.local):
+    """Per thread: where a lingering worker keeps the request it read to run itself."""
+
+    slot: list[Frame] | None = None
 
 
 class _ReplyLink:
