@@ -34,6 +34,9 @@ ENV_OMP_THROTTLE = "DISTGRAD_OMP_THROTTLE"
 #: Set to "0" to send every tensor through the socket, never by direct memory read
 #: (see ``distgrad._transport._memory``).
 ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
+#: Set to "0" to stage every CUDA tensor through host memory, also between workers that share
+#: a GPU (which otherwise exchange it by CUDA IPC: ``_devices._cuda``).
+ENV_CUDA_IPC = "DISTGRAD_CUDA_IPC"
 #: Set to "1" for fail-stop peers: a lost connection proves the peer dead (no reconnection).
 ENV_FAIL_STOP = "DISTGRAD_FAIL_STOP"
 #: Set to "1" to make distgrad stand in for torch's RPC in every Python process that inherits

@@ -57,7 +57,13 @@ import torch
 from ... import _config
 from ..._devices._backend import DeviceBackend, install_receiver
 from ..._devices._cuda import CudaBackend
-from ..._devices._maps import DevicePlan, default_devices, maps_from_record, maps_to_record
+from ..._devices._maps import (
+    DevicePlan,
+    default_devices,
+    gpus_from_record,
+    maps_from_record,
+    maps_to_record,
+)
 from ..._errors import PeerFailureError, RpcShutdownError
 from ..._omp import join_openmp_runtime
 from ..._transport._base import (
@@ -207,7 +213,13 @@ class RpcAgent(Outgoing, OneWay, Serving):
         and ``devices`` (validated by every worker as torch does)."""
         backend = self._chosen_backend() or DeviceBackend()
         opts = self.options
-        return maps_to_record(backend.device_count(), opts.device_maps, opts.devices)
+        gpus = None
+        count = backend.device_count()
+        if _config.env_flag(_config.ENV_CUDA_IPC, True) and (opts.devices or opts.device_maps):
+            # every GPU it sees, offered for CUDA IPC with peers that see the same one (a
+            # worker that maps devices initialises CUDA at init anyway)
+            gpus = backend.gpu_ids([torch.device("cuda", i) for i in range(count)])
+        return maps_to_record(count, opts.device_maps, opts.devices, gpus)
 
     @property
     def device_plan(self) -> DevicePlan:
@@ -244,6 +256,10 @@ class RpcAgent(Outgoing, OneWay, Serving):
         (torch's ``_update_group_membership``)."""
         plan = self._codec.plan
         _count, maps, _devices = maps_from_record(record)
+        gpus = dict(plan.gpus)
+        joined = gpus_from_record(record)
+        if joined:
+            gpus[name] = joined
         reverse = dict(plan.reverse)
         mine = maps.get(self.worker_info.name)
         if mine:
@@ -251,7 +267,7 @@ class RpcAgent(Outgoing, OneWay, Serving):
         else:
             reverse.pop(name, None)
         devices = plan.devices if self.options.devices else default_devices([], plan.maps, reverse)
-        self.set_device_plan(DevicePlan(plan.maps, reverse, devices))
+        self.set_device_plan(DevicePlan(plan.maps, reverse, devices, gpus, plan.me))
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
