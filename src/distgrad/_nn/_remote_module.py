@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .._rpc._api import get_worker_info, remote, rpc_async, rpc_sync
-from .._rpc._core._agent import current_agent, require_agent
-from .._rpc._core._torchscript import rref_limit
+from .._rpc._core import current_agent, require_agent, rref_limit
 from .._rpc._rrefs._rref import RRef
 from .._wire._pickler import SKIPPED, extracting_tensors, register_reducer
 from ._remote_device import parse_remote_device

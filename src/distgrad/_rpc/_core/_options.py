@@ -27,6 +27,7 @@ __all__ = [
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "backend_registered",
+    "backend_type",
     "construct_rpc_backend_options",
     "infer_backend",
     "is_backend_type",
@@ -326,6 +327,12 @@ BackendType.__doc__ = """The RPC backends (torch's ``BackendType``): ``TENSORPIP
 added with ``register_backend``. Every member starts distgrad's own agent; ``TENSORPIPE`` is
 there so that torch programs passing ``backend=rpc.BackendType.TENSORPIPE`` run unchanged.
 A member's value is its ``BackendValue``."""
+
+
+def backend_type() -> Any:
+    """``BackendType`` as it is now: :func:`register_backend` replaces the enum with one that
+    has the new member too."""
+    return BackendType
 
 
 def backend_registered(backend_name: str) -> bool:

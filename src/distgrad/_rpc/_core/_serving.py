@@ -4,8 +4,8 @@ tracks references, RRefs, says which and when; see ``_layer``), runs, and is ans
 result encoded as a response, or its error as an error reply); a one-way notification runs its
 handler where it is marked to.
 
-:class:`Serving` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
-declares are the agent's."""
+:class:`Serving` is a stage of :class:`~distgrad._rpc._core._agent.RpcAgent`, given what it uses
+(the agent's running state, ``_shared``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import logging
 import pickle
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,12 +28,13 @@ from . import _layer, _profiling
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
 from ._lane import SerialLane
+from ._layer import LayerAgent
 from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
-from ._statistics import AgentState, StatisticsRecorder
+from ._shared import Shared
+from ._statistics import StatisticsRecorder
 from ._torchscript import is_script_function
-from ._worker_info import WorkerInfo
 
 __all__ = ["Serving"]
 
@@ -40,30 +42,50 @@ _log = logging.getLogger("distgrad.rpc")
 
 
 class Serving:
-    """Requests in, replies out (a part of the agent)."""
+    """Requests in, replies out: a stage of the agent, which makes it and hands it what it
+    uses. It owns the count of ``@async_execution`` requests pending and the GIL-wait timing
+    (``rpc.enable_gil_profiling``)."""
 
-    worker_info: WorkerInfo
-    rpc_timeout: float
-    layer_state: dict[object, object]
-    _describe: bool
-    _codec: Codec
-    _active_lock: threading.Lock
-    _serving_async: int
-    _gil_profiling: bool
-    _gil_wait: list[float]
-    _workers: ThreadPool
-    _device_lane: SerialLane
-    state: AgentState
-    _stats: StatisticsRecorder
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        agent: LayerAgent,
+        codec: Codec,
+        workers: ThreadPool,
+        lane: SerialLane,
+        stats: StatisticsRecorder,
+        blocking: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> None:
+        self._shared = shared
+        #: the agent, as the layers above know it (their hooks are handed it)
+        self._agent = agent
+        self._codec = codec
+        #: where requests run
+        self._workers = workers
+        #: where one-way messages with device tensors are decoded, off the I/O thread
+        self._lane = lane
+        self._stats = stats
+        #: a block that waits for other workers (frees the worker's pool slot meanwhile)
+        self._blocking = blocking
+        self._lock = threading.Lock()
+        #: ``@async_execution`` requests whose future is pending
+        self.serving_async = 0
+        # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
+        self.gil_profiling = False
+        self.gil_wait = [0.0, 0]  # seconds in all, requests
 
-    if TYPE_CHECKING:
-
-        def blocking(self) -> contextlib.AbstractContextManager[None]: ...
+    def enable_gil_profiling(self, flag: bool) -> None:
+        """Time each request's wait for a thread (see ``RpcAgent.enable_gil_profiling``):
+        turning it on resets the figures, turning it off keeps them."""
+        if flag and not self.gil_profiling:
+            self.gil_wait = [0.0, 0]
+        self.gil_profiling = bool(flag)
 
     # -- receive (I/O thread) --------------------------------------------------------------------
-    def _on_request(self, conn: Link, frame: Frame) -> None:
+    def on_request(self, conn: Link, frame: Frame) -> None:
         try:
-            if self._gil_profiling:
+            if self.gil_profiling:
                 self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
             else:
                 self._workers.submit(self._serve, conn, frame)
@@ -72,12 +94,12 @@ class Serving:
                 conn,
                 frame.message_id,
                 RpcShutdownError(
-                    f"{self.worker_info.name} is shutting down and takes no more requests"
+                    f"{self._shared.worker_info.name} is shutting down and takes no more requests"
                 ),
             )
 
-    def _on_notify(self, conn: Link, frame: Frame) -> None:
-        lane = self._device_lane
+    def on_notify(self, conn: Link, frame: Frame) -> None:
+        lane = self._lane
         if (frame.buffers and self._codec.backend.name != "cpu") or lane.busy():
             # device tensors may be in it: decode off the I/O thread, in order (``_lane``)
             try:
@@ -99,7 +121,7 @@ class Serving:
             self._codec.backend.settle(take_arrivals())
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
-        elif self.state.stopped:
+        elif self._shared.state.stopped:
             return
         elif getattr(func, "_distgrad_after_current", False):
             self._workers.submit_after_current(self._run_notification, func, args)
@@ -117,9 +139,9 @@ class Serving:
     def _serve_timed(self, conn: Link, frame: Frame, arrived: float) -> None:
         """:meth:`_serve`, counting the wait since ``arrived`` (``enable_gil_profiling``)."""
         waited = time.perf_counter() - arrived
-        with self._active_lock:
-            self._gil_wait[0] += waited
-            self._gil_wait[1] += 1
+        with self._lock:
+            self.gil_wait[0] += waited
+            self.gil_wait[1] += 1
         self._serve(conn, frame)
 
     def _serve(self, conn: Link, frame: Frame) -> None:
@@ -145,7 +167,7 @@ class Serving:
         except BaseException as exc:
             if isinstance(exc, (AttributeError, ImportError)):
                 error = RuntimeError(f"{UDF_MISSING} ({exc!r})")
-                report_udf_error(error, str(self.worker_info))
+                report_udf_error(error, str(self._shared.worker_info))
             else:
                 error = RuntimeError(f"could not unpickle the request: {exc!r}")
             unrun: BaseException | None = error
@@ -154,14 +176,14 @@ class Serving:
         finally:
             collected = references.stop_collecting(previous) if references is not None else None
             arrivals = take_arrivals() if Process.seen else None
-        if self._describe and unrun is None:  # replies go out described (fault injection)
+        if self._shared.describe and unrun is None:  # replies go out described (fault injection)
             wrapped = bool(states) and states[0] is not None
             conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
         if unrun is None and collected:  # RRefs in the arguments: run once owners know them
             assert references is not None
             try:
-                timeout = self.rpc_timeout if self.rpc_timeout > 0 else None
-                with self.blocking():
+                timeout = self._shared.rpc_timeout if self._shared.rpc_timeout > 0 else None
+                with self._blocking():
                     references.wait_usable(collected, timeout)
             except BaseException as exc:
                 unrun = exc
@@ -169,7 +191,7 @@ class Serving:
             # Failed before the function ran. A remote() creation's error is its value's (as
             # if the function had raised it), and the creation is answered: a to_here()
             # already on its way raises it instead of waiting for a value never set.
-            if references is not None and references.fail_unrun(self, unrun):
+            if references is not None and references.fail_unrun(self._agent, unrun):
                 self._reply(conn, frame.message_id, None, None)
             else:
                 self._reply_error(conn, frame.message_id, unrun)
@@ -241,7 +263,7 @@ class Serving:
                 if not isinstance(exc, RuntimeError):
                     exc = RuntimeError(str(exc))
             if not builtin:  # as the reference's callee: a Python function's error is printed
-                report_udf_error(exc, str(self.worker_info))
+                report_udf_error(exc, str(self._shared.worker_info))
             self._reply_error(conn, frame.message_id, exc, builtin=builtin)
             return
         self._reply(conn, frame.message_id, result, state)
@@ -257,12 +279,12 @@ class Serving:
         arrivals: Arrivals | None = None,
     ) -> None:
         future = check_async_result(func(*args, **(kwargs or {})))
-        with self._active_lock:
-            self._serving_async += 1
+        with self._lock:
+            self.serving_async += 1
 
         def respond(done: torch.futures.Future[Any]) -> None:
-            with self._active_lock:
-                self._serving_async -= 1
+            with self._lock:
+                self.serving_async -= 1
             if arrivals is not None:  # the reply is staged after the request's device work
                 self._codec.backend.join_current(arrivals)
             try:
@@ -307,7 +329,7 @@ class Serving:
     def _reply_error(
         self, conn: Link, message_id: int, exc: BaseException, *, builtin: bool = False
     ) -> None:
-        payload = error_payload(exc, str(self.worker_info), builtin)
+        payload = error_payload(exc, str(self._shared.worker_info), builtin)
         self._write(conn, Kind.ERROR, message_id, dumps(payload)[0])
 
     def _write(
