@@ -10,7 +10,7 @@
 # version may differ from CI's), with pytest and pytest-timeout (the GPU image has them; else
 # wheels in $GPU_WHEELS, default ./.gpu_wheels, made with `pip download pytest pytest-timeout
 # -d .gpu_wheels` on a machine with network, carried along).
-# Files written: gpu_check.log (everything), preflight.txt, cuda_cases.jsonl (a line as each
+# Files written: gpu_check.log (everything), preflight.txt, ipc_profile.txt, cuda_cases.jsonl (a line as each
 # case of tests/e2e/test_cuda.py starts and ends), pytest.txt and junit.xml (the tests),
 # cuda_bench.txt and cuda_bench.json (the benchmark, after each implementation), summary.txt.
 # Exit status: 0 only when the pre-flight passed, tests ran and none failed, and the
@@ -54,6 +54,11 @@ rc=${PIPESTATUS[0]}
 note "preflight: exit $rc after $(( $(date +%s) - started ))s"
 grep -E "^(ok|FAIL)" "$OUT/preflight.txt" >>"$SUMMARY"
 [ "$rc" = 0 ] || status=1
+
+# 0b. where a CUDA IPC transfer's time goes (torch's IPC steps, timed alone): a few seconds
+timeout -k 5 60 "$PY" scripts/gpu_ipc_profile.py 2>&1 | tee "$OUT/ipc_profile.txt"
+note "ipc_profile: exit ${PIPESTATUS[0]} after $(( $(date +%s) - started ))s"
+grep " B " "$OUT/ipc_profile.txt" >>"$SUMMARY"
 
 # 1. every GPU test (and the CPU tests of the device layer, under this machine's torch).
 # SIGINT first, so pytest still writes its junit file and summary.

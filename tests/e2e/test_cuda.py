@@ -309,8 +309,8 @@ def _cases_worker0(impl: str) -> dict[str, Callable[[], Any]]:
 
     def many_echoes() -> Any:  # buffers shared and let go of, over and over
         ok = 0
-        for i in range(200):
-            x = torch.full((1 << 18,), float(i), device=cuda)
+        for i in range(200):  # 4 MiB: by IPC between workers on one GPU
+            x = torch.full((1 << 20,), float(i), device=cuda)
             ok += bool(torch.equal(rpc.rpc_sync("worker1", echo, (x,)), x))
         return {"equal": ok}
 

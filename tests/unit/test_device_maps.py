@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
+from distgrad._config import CUDA_IPC_THRESHOLD
 from distgrad._devices._backend import DeviceBackend
 from distgrad._devices._maps import (
     CPU_ONLY,
@@ -224,7 +225,8 @@ def test_plan_from_published_records() -> None:
 def test_tensors_between_workers_on_one_gpu_are_shared_by_ipc() -> None:
     """Workers publish the UUID of each GPU their maps name; a map entry whose two ends are one
     physical GPU (same UUID: same host, same device, whatever each worker numbers it) is
-    exchanged by CUDA IPC (the backend's ``stage_shared``), any other entry is staged; a
+    exchanged by CUDA IPC (the backend's ``stage_shared``) from ``CUDA_IPC_THRESHOLD`` bytes,
+    anything else is staged; a
     worker that offered none, or the worker itself, gets no IPC; a joiner's offer counts."""
     published = {
         "a": maps_to_record(
@@ -261,10 +263,12 @@ def test_tensors_between_workers_on_one_gpu_are_shared_by_ipc() -> None:
     # the routing, with CPU tensors standing for a GPU (a plan that offers "cpu" as one)
     plan = DevicePlan(gpus={"a": {D("cpu"): "GPU-x"}, "b": {D("cuda:1"): "GPU-x"}}, me="a")
     backend = Recording()
-    DeviceRouter("Request", "b", {D("cpu"): D("cuda:1")}, plan, backend)(torch.ones(2))
-    DeviceRouter("Request", "b", {D("cpu"): D("cuda:0")}, plan, backend)(torch.ones(2))
-    DeviceRouter("Request", "c", {D("cpu"): D("cuda:1")}, plan, backend)(torch.ones(2))
-    assert backend.calls == ["shared cuda:1", "stage cuda:0", "stage cuda:1"]
+    big = torch.ones(CUDA_IPC_THRESHOLD // 4)
+    DeviceRouter("Request", "b", {D("cpu"): D("cuda:1")}, plan, backend)(big)
+    DeviceRouter("Request", "b", {D("cpu"): D("cuda:1")}, plan, backend)(big[:-1])  # too small
+    DeviceRouter("Request", "b", {D("cpu"): D("cuda:0")}, plan, backend)(big)
+    DeviceRouter("Request", "c", {D("cpu"): D("cuda:1")}, plan, backend)(big)
+    assert backend.calls == ["shared cuda:1", "stage cuda:1", "stage cuda:0", "stage cuda:1"]
 
 
 def test_route_messages_are_torchs() -> None:

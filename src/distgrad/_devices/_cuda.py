@@ -36,6 +36,10 @@ __all__ = ["CudaBackend"]
 
 #: tensors this process sent and received by CUDA IPC (tests read them)
 COUNTS = {"shared_sent": 0, "shared_received": 0}
+#: copies sent by IPC are freed in batches (``ipc_collect``: each call with nothing left to
+#: free also drops torch's reference-count file, which the next send must make again); the
+#: CUDA allocator also collects them when it runs short of memory
+_COLLECT_EVERY = 32
 #: where the sender's CUDA IPC description puts the device index and ``requires_grad``
 _IPC_DEVICE, _IPC_REQUIRES_GRAD = 6, 10
 
@@ -77,7 +81,9 @@ class CudaBackend(DeviceBackend):
         if source.layout != torch.strided or source.device.type != "cuda":
             return self.stage(tensor, target)
         device = source.device
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # copies receivers let go of
+        COUNTS["shared_sent"] += 1
+        if COUNTS["shared_sent"] % _COLLECT_EVERY == 0:  # free copies the receivers let go of
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
         _RELEASES.release_finished()
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch's pool
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -91,7 +97,6 @@ class CudaBackend(DeviceBackend):
         # work queued after this call (the caller changing or freeing the tensor) waits for
         # the copy: on the GPU, with no host wait
         torch.cuda.current_stream(device).wait_stream(stream)
-        COUNTS["shared_sent"] += 1
         args = list(args)
         args[_IPC_DEVICE] = target.index  # the same GPU, in the receiver's numbering
         args[_IPC_REQUIRES_GRAD] = False

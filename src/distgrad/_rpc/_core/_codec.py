@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..._config import CUDA_IPC_THRESHOLD
 from ..._devices._backend import DeviceBackend
 from ..._devices._maps import CPU, DeviceMap, DevicePlan, route
 from ..._errors import MessageTooLargeError
@@ -158,6 +159,10 @@ class DeviceRouter:
                 f"device is not one of the input tensor devices: {devices}, which is not yet "
                 "supported. Please file a feature request issue in PyTorch GitHub repo."
             )
-        if self.ipc and (device, target) in self.ipc:
+        if (
+            self.ipc
+            and (device, target) in self.ipc
+            and tensor.numel() * tensor.element_size() >= CUDA_IPC_THRESHOLD
+        ):
             return self.backend.stage_shared(tensor, target)
         return self.backend.stage(tensor, target)
