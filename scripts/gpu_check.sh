@@ -11,7 +11,7 @@
 # wheels in $GPU_WHEELS, default ./.gpu_wheels, made with `pip download pytest pytest-timeout
 # -d .gpu_wheels` on a machine with network, carried along).
 # Files written: gpu_check.log (everything), preflight.txt, ipc_profile.txt, cuda_cases.jsonl (a line as each
-# case of tests/e2e/test_cuda.py starts and ends), pytest.txt and junit.xml (the tests),
+# case of tests/e2e/test_cuda.py starts and ends), junit.xml (the tests),
 # cuda_bench.txt and cuda_bench.json (the benchmark, after each implementation), summary.txt.
 # Exit status: 0 only when the pre-flight passed, tests ran and none failed, and the
 # benchmark ran; 1 otherwise; 2 without a GPU.
@@ -67,14 +67,14 @@ timeout -k 15 -s INT 200 "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 19
     tests/e2e/test_cuda.py \
     "tests/e2e/test_payloads.py::test_cuda_tensors_get_the_reference_error" \
     "tests/e2e/test_remote_module.py::test_a_module_on_the_owners_gpu_matches_local" \
-    tests/unit/test_device_maps.py tests/unit/test_device_plumbing.py 2>&1 | tee "$OUT/pytest.txt"
+    tests/unit/test_device_maps.py tests/unit/test_device_plumbing.py 2>&1 | tee "$PYLOG"
 rc=${PIPESTATUS[0]}
 cleanup
-counts=$(grep -E "^=+ .*(passed|failed|error).* in " "$OUT/pytest.txt" | tail -1)
+counts=$(grep -E "^=+ .*(passed|failed|error).* in " "$PYLOG" | tail -1)
 note "tests: exit $rc after $(( $(date +%s) - started ))s: ${counts:-no summary}"
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.txt" | grep -v "test_device_maps\|test_device_plumbing" >>"$SUMMARY"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$PYLOG" | grep -v "test_device_maps\|test_device_plumbing" >>"$SUMMARY"
 if [ "$rc" != 0 ] || ! echo "$counts" | grep -q passed; then status=1; fi
-if echo "$counts" | grep -qE "skipped" && grep -q "SKIPPED.*test_cuda" "$OUT/pytest.txt"; then
+if echo "$counts" | grep -qE "skipped" && grep -q "SKIPPED.*test_cuda" "$PYLOG"; then
     note "GPU tests were skipped: counted as a failure"; status=1
 fi
 
