@@ -47,6 +47,7 @@ if ! "$PY" -c 'import pytest, pytest_timeout' 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_CPP_LOG_LEVEL=ERROR
 export PYTHONUNBUFFERED=1 DISTGRAD_GPU_RESULTS="$OUT"
+PYLOG=$(mktemp)  # pytest's output (also in gpu_check.log: $OUT may hold 8 files)
 
 # 0. pre-flight (versions, pinned memory across processes, the device-aware future): < 30 s
 timeout -k 5 40 "$PY" scripts/gpu_preflight.py 2>&1 | tee "$OUT/preflight.txt"
