@@ -1,13 +1,19 @@
-"""The CUDA implementation of the device interface: staging through pinned host memory, with
-streams ordered as torch's TensorPipe agent orders them (CUDA.md section 2).
+"""The CUDA implementation of the device interface, streams ordered as torch's TensorPipe
+agent orders them (CUDA.md section 2).
 
-* **Send** (:meth:`CudaBackend.stage`): a stream from torch's pool waits on the sender's
-  current stream of the tensor's device, copies the tensor into pinned host memory, and the
-  sending thread waits for that one stream's copy (its bytes must be final before they
-  leave): never a device-wide synchronize.
-* **Receive** (:meth:`CudaBackend.arrive`): per message and device, one fresh pool stream
-  (which first waits on the receiving thread's current stream) copies the bytes to the
-  device; the message's :class:`~._backend.Arrivals` name those streams.
+* **Send, by CUDA IPC** (:meth:`CudaBackend.stage_shared`, tensors from
+  ``CUDA_IPC_THRESHOLD`` bytes to a worker on the same physical GPU): a pool stream waits on
+  the sender's current stream and copies the tensor on the device; torch's IPC reduction
+  describes the copy (IPC handle, reference count, interprocess event); the sender's current
+  stream waits for the copy. No host memory, no host wait.
+* **Send, staged** (:meth:`CudaBackend.stage`, everything else): a pool stream waits on the
+  sender's current stream and copies the tensor into pinned host memory, and the sending
+  thread waits for that one stream (its bytes must be final before they leave): never a
+  device-wide synchronize.
+* **Receive** (:meth:`CudaBackend.arrive`, :meth:`CudaBackend.arrive_shared`): per message and
+  device, one fresh pool stream (waiting on nothing, as torch's) copies the bytes (or the
+  shared tensor, after the sender's event) to the device; the message's
+  :class:`~._backend.Arrivals` name those streams.
 * **Callee**: the user function runs, and its reply is staged, under the arrival streams
   (torch's ``MultiStreamGuard``), so its work is ordered after the copies.
 * **Caller**: ``rpc_sync``'s thread makes its current streams wait on the arrival streams
@@ -15,8 +21,8 @@ streams ordered as torch's TensorPipe agent orders them (CUDA.md section 2).
   completed under the arrival streams: its ``wait()`` makes the waiter's current streams wait
   (events, no host wait), and ``then()`` callbacks run on streams synchronised with them.
 
-Chosen only when the worker's device plan names CUDA devices; unverified here without a GPU
-except where ``tests/gpu`` says it passed (docs/cuda.md).
+Chosen only when the worker's device plan names CUDA devices; run on a GPU by
+``scripts/gpu_check.sh`` (docs/cuda.md says where and what passed).
 """
 
 from __future__ import annotations
