@@ -113,6 +113,8 @@ class Serving:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
         except BaseException as exc:
+            if Process.seen:
+                take_arrivals()  # a decode that failed halfway: forget what it put on devices
             _log.warning(
                 "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
             )
