@@ -155,9 +155,13 @@ class CudaBackend(DeviceBackend):
             yield
             return
         with contextlib.ExitStack() as stack:
+            device = torch.cuda.current_device()
             for stream in arrivals.streams.values():
                 if stream is not None:
                     stack.enter_context(torch.cuda.stream(stream))
+            # torch.cuda.stream() also makes its stream's device the current one; torch's
+            # MultiStreamGuard does not: the callee runs on the device it would have
+            stack.enter_context(torch.cuda.device(device))
             yield
 
     def join_current(self, arrivals: Arrivals | None) -> None:
