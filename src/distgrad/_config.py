@@ -37,6 +37,10 @@ ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
 #: Set to "0" to stage every CUDA tensor through host memory, also between workers that share
 #: a GPU (which otherwise exchange it by CUDA IPC: ``_devices._cuda``).
 ENV_CUDA_IPC = "DISTGRAD_CUDA_IPC"
+#: Comma-separated allow-lists (``pkg.func``, ``pkg.*``): the functions peers may run on this
+#: worker, and the classes their messages may make it unpickle (off when neither is set).
+ENV_ALLOWED_CALLS = "DISTGRAD_ALLOWED_CALLS"
+ENV_ALLOWED_CLASSES = "DISTGRAD_ALLOWED_CLASSES"
 #: Set to "1" for fail-stop peers: a lost connection proves the peer dead (no reconnection).
 ENV_FAIL_STOP = "DISTGRAD_FAIL_STOP"
 #: Set to "1" to make distgrad stand in for torch's RPC in every Python process that inherits

@@ -90,6 +90,7 @@ from ._pool import ThreadPool
 from ._serving import Serving
 from ._shared import Shared
 from ._statistics import AgentState, AgentStatistics, StatisticsRecorder
+from ._wire_choices import WireChoices
 from ._worker_info import WorkerInfo
 
 _log = logging.getLogger("distgrad.rpc")
@@ -154,6 +155,8 @@ class RpcAgent:
         isolated: bool = False,
         dynamic: bool = False,
     ) -> None:
+        #: the pickler and allow-list its options chose (for the process; undone at stop)
+        self.wire_choices = WireChoices(options)  # (first: a bad choice fails before anything)
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
@@ -666,4 +669,5 @@ class RpcAgent:
         self._io.stop()
         self.keepalive.clear()
         _layer.agent_stopped(self)
+        self.wire_choices.undo()
         self.state = AgentState.STOPPED
