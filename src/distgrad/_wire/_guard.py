@@ -116,11 +116,14 @@ class _Rules:
     def __init__(self, entries: Iterable[Any], what: str) -> None:
         self.names: set[str] = set()
         self.prefixes: list[str] = []
+        #: classes that hold an allowed builtin method (``torch.add`` is pickled as
+        #: ``getattr(torch._C._VariableFunctionsClass, "add")``): loadable for that lookup
+        self.holders: list[Any] = []
         for entry in entries:
             if isinstance(entry, str):
                 self._add_text(entry.strip(), what)
             elif callable(entry):
-                self.names.add(qualified_name(entry))
+                self._add_object(entry)
             else:
                 raise TypeError(f"{what}: {entry!r} is neither a callable, a class nor a name")
 
@@ -137,8 +140,21 @@ class _Rules:
                 ) from exc
             self.prefixes.append(module + ".")
             return
-        self.names.add(qualified_name(_resolve(text, what)))
+        self._add_object(_resolve(text, what))
         self.names.add(text)
+
+    def _add_object(self, obj: Any) -> None:
+        self.names.add(qualified_name(obj))
+        if isinstance(obj, type):
+            return
+        try:  # pickle's own reduction: a method found by getattr on the class that holds it
+            reduced = obj.__reduce_ex__(5)
+        except Exception:
+            return
+        if isinstance(reduced, tuple) and len(reduced) == 2 and reduced[0] is getattr:
+            holder = reduced[1][0]
+            if isinstance(holder, type):
+                self.holders.append(holder)
 
     def match(self, name: str, module: str) -> bool:
         return name in self.names or (module + ".").startswith(tuple(self.prefixes))
@@ -231,6 +247,8 @@ class Guard:
             return True
         for rules in (self.calls, self.classes):
             if rules.match(name, module) or (full is not None and full in rules.names):
+                return True
+            if any(obj is holder for holder in rules.holders):
                 return True
         return False
 

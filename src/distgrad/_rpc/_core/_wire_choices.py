@@ -5,6 +5,7 @@ cause -- and undone when it stops (if nothing replaced it meanwhile)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ... import _config
@@ -31,29 +32,37 @@ def guard_from(options: TensorPipeRpcBackendOptions) -> Guard | None:
 
 
 class WireChoices:
-    """The pickler and allow-list one agent installed (restored by :meth:`undo`)."""
+    """The pickler and allow-list one agent installed. Agents of one process (an in-memory
+    world) may each install theirs: the last one started is in force, and when an agent
+    stops the latest of those still running takes over (or what was there before any)."""
+
+    _active: list[WireChoices] = []  # (the process's agents that installed something, in order)
+    _before: tuple[Any, Guard | None] = (None, None)
+    _lock = threading.Lock()
 
     def __init__(self, options: TensorPipeRpcBackendOptions) -> None:
-        guard = guard_from(options)  # (raises for a name that does not exist)
-        pickler = getattr(options, "pickler", None)
-        self._pickler: Any = None
-        self._previous_pickler: Any = None
-        if pickler is not None:
-            self._previous_pickler = set_pickler(pickler)
-            self._pickler = pickler
-        self._guard = guard
-        self._previous_guard = current_guard()
-        if guard is not None:
-            set_guard(guard)
-
-    @property
-    def guard(self) -> Guard | None:
-        """The allow-list this agent enforces (``None``: none)."""
-        return self._guard if self._guard is not None else current_guard()
+        self.guard = guard_from(options)  # (raises for a name that does not exist)
+        self.pickler: Any = getattr(options, "pickler", None)
+        if self.pickler is None and self.guard is None:
+            return
+        with WireChoices._lock:
+            if not WireChoices._active:
+                WireChoices._before = (current_pickler(), current_guard())
+            if self.pickler is not None:
+                set_pickler(self.pickler)  # (raises for a pickler that fails its round trip)
+            if self.guard is not None:
+                set_guard(self.guard)
+            WireChoices._active.append(self)
 
     def undo(self) -> None:
-        """Put back what was there before, where this agent's choice is still in place."""
-        if self._guard is not None and current_guard() is self._guard:
-            set_guard(self._previous_guard)
-        if self._pickler is not None and current_pickler() is self._pickler:
-            set_pickler(self._previous_pickler)
+        """Stop being in force (idempotent)."""
+        with WireChoices._lock:
+            if self not in WireChoices._active:
+                return
+            WireChoices._active.remove(self)
+            pickler, guard = WireChoices._before
+            for choices in WireChoices._active:
+                pickler = choices.pickler if choices.pickler is not None else pickler
+                guard = choices.guard if choices.guard is not None else guard
+            set_pickler(pickler)
+            set_guard(guard)
