@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         impls["torch-basic"] = ("torch", Placement())
     sizes = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
     cfg = {
-        "sizes": [1 << 10, 1 << 20, 64 << 20, 256 << 20] if args.quick else sizes,
+        "sizes": [1 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] if args.quick else sizes,
         "bytes_per_size": (1 << 30) if args.quick else (4 << 30),
         "max_iters": 100 if args.quick else 500,
         "small_iters": 300 if args.quick else 2000,

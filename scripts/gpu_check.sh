@@ -10,8 +10,8 @@
 # version may differ from CI's), with pytest and pytest-timeout (the GPU image has them; else
 # wheels in $GPU_WHEELS, default ./.gpu_wheels, made with `pip download pytest pytest-timeout
 # -d .gpu_wheels` on a machine with network, carried along).
-# Files written: gpu_check.log (everything), preflight.txt, cuda_cases.jsonl (a line as each
-# case of tests/e2e/test_cuda.py starts and ends), pytest.txt and junit.xml (the tests),
+# Files written: gpu_check.log (everything), preflight.txt, ipc_profile.txt, cuda_cases.jsonl (a line as each
+# case of tests/e2e/test_cuda.py starts and ends), junit.xml (the tests),
 # cuda_bench.txt and cuda_bench.json (the benchmark, after each implementation), summary.txt.
 # Exit status: 0 only when the pre-flight passed, tests ran and none failed, and the
 # benchmark ran; 1 otherwise; 2 without a GPU.
@@ -47,6 +47,7 @@ if ! "$PY" -c 'import pytest, pytest_timeout' 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_CPP_LOG_LEVEL=ERROR
 export PYTHONUNBUFFERED=1 DISTGRAD_GPU_RESULTS="$OUT"
+PYLOG=$(mktemp)  # pytest's output (also in gpu_check.log: $OUT may hold 8 files)
 
 # 0. pre-flight (versions, pinned memory across processes, the device-aware future): < 30 s
 timeout -k 5 40 "$PY" scripts/gpu_preflight.py 2>&1 | tee "$OUT/preflight.txt"
@@ -55,6 +56,11 @@ note "preflight: exit $rc after $(( $(date +%s) - started ))s"
 grep -E "^(ok|FAIL)" "$OUT/preflight.txt" >>"$SUMMARY"
 [ "$rc" = 0 ] || status=1
 
+# 0b. where a CUDA IPC transfer's time goes (torch's IPC steps, timed alone): a few seconds
+timeout -k 5 60 "$PY" scripts/gpu_ipc_profile.py 2>&1 | tee "$OUT/ipc_profile.txt"
+note "ipc_profile: exit ${PIPESTATUS[0]} after $(( $(date +%s) - started ))s"
+grep " B " "$OUT/ipc_profile.txt" >>"$SUMMARY"
+
 # 1. every GPU test (and the CPU tests of the device layer, under this machine's torch).
 # SIGINT first, so pytest still writes its junit file and summary.
 timeout -k 15 -s INT 200 "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 190 \
@@ -62,14 +68,14 @@ timeout -k 15 -s INT 200 "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 19
     tests/e2e/test_cuda.py \
     "tests/e2e/test_payloads.py::test_cuda_tensors_get_the_reference_error" \
     "tests/e2e/test_remote_module.py::test_a_module_on_the_owners_gpu_matches_local" \
-    tests/unit/test_device_maps.py tests/unit/test_device_plumbing.py 2>&1 | tee "$OUT/pytest.txt"
+    tests/unit/test_device_maps.py tests/unit/test_device_plumbing.py 2>&1 | tee "$PYLOG"
 rc=${PIPESTATUS[0]}
 cleanup
-counts=$(grep -E "^=+ .*(passed|failed|error).* in " "$OUT/pytest.txt" | tail -1)
+counts=$(grep -E "^=+ .*(passed|failed|error).* in " "$PYLOG" | tail -1)
 note "tests: exit $rc after $(( $(date +%s) - started ))s: ${counts:-no summary}"
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.txt" | grep -v "test_device_maps\|test_device_plumbing" >>"$SUMMARY"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$PYLOG" | grep -v "test_device_maps\|test_device_plumbing" >>"$SUMMARY"
 if [ "$rc" != 0 ] || ! echo "$counts" | grep -q passed; then status=1; fi
-if echo "$counts" | grep -qE "skipped" && grep -q "SKIPPED.*test_cuda" "$OUT/pytest.txt"; then
+if echo "$counts" | grep -qE "skipped" && grep -q "SKIPPED.*test_cuda" "$PYLOG"; then
     note "GPU tests were skipped: counted as a failure"; status=1
 fi
 

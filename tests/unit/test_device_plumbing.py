@@ -301,3 +301,40 @@ def test_device_tensors_in_one_way_messages_never_reach_the_device_on_the_io_thr
     assert torch.allclose(grad, 2 * w.detach())
     assert fake.threads and "distgrad-io" not in fake.threads, fake.threads
     assert [v for _, v in NOTIFIED] == [2.0 * i if i % 2 == 0 else -1.0 for i in range(20)]
+
+
+def _refuse_unpickling() -> None:
+    raise ValueError("this object cannot be rebuilt here")
+
+
+class Unbuildable:
+    def __reduce__(self) -> Any:
+        return (_refuse_unpickling, ())
+
+
+def tensor_then_unbuildable() -> Any:
+    return [torch.ones(3), Unbuildable()]
+
+
+def test_a_decode_that_fails_halfway_leaves_no_arrivals_behind(fake: Any) -> None:
+    """A response whose tensor reached a device before the rest failed to unpickle: the call
+    fails with the cause, and the thread's record of what arrived is cleared (the next
+    message's streams and tensors are its own) -- for ``rpc_sync`` and ``rpc_async``."""
+    from distgrad._devices._backend import state
+
+    opts = [_options({"worker1": BOTH_WAYS}), _options({})]
+    with open_world(2, options=opts) as world:
+
+        def program() -> Any:
+            with pytest.raises(Exception, match="cannot be rebuilt"):
+                rpc.rpc_sync("worker1", tensor_then_unbuildable)
+            after_sync = state.arrivals
+            with pytest.raises(Exception, match="cannot be rebuilt"):
+                rpc.rpc_async("worker1", tensor_then_unbuildable).wait()
+            back = rpc.rpc_sync("worker1", echo, (torch.ones(2),))
+            return after_sync, back
+
+        after_sync, back = world.run_on(0, program)
+    assert after_sync is None
+    assert ("worker0", "cuda:0") in fake.arrived  # the tensor did arrive before the failure
+    assert torch.equal(back, torch.ones(2))

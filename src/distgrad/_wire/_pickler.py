@@ -42,6 +42,18 @@ from typing import Any, TypeVar
 import torch
 
 from ._buffers import allocate_buffer
+from ._choice import (
+    OWN_REDUCERS,
+    ChosenPicklers,
+    current_guard,
+    current_pickler,
+    restricted_loads,
+    set_guard,
+    set_pickler,
+)
+from ._choice import (
+    state as choice,
+)
 from ._reducers import (
     DeviceCheck,
     _policy,
@@ -56,6 +68,8 @@ __all__ = [
     "HAS_TABLE",
     "Encoded",
     "allocate_buffer",
+    "current_guard",
+    "current_pickler",
     "decode",
     "deserialize_with_table",
     "dumps",
@@ -63,7 +77,10 @@ __all__ = [
     "extracting_tensors",
     "loads",
     "register_reducer",
+    "restricted_loads",
     "serialize_with_table",
+    "set_guard",
+    "set_pickler",
 ]
 
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
@@ -131,13 +148,23 @@ for _future_type in (torch.futures.Future, torch._C.Future):
     _ROUTED_DISPATCH[_future_type] = _reduce_future
 
 
+# distgrad's own entries of each table (without copyreg's): layered over a chosen pickler's
+for _name, _table in (
+    ("payload", _PAYLOAD_DISPATCH),
+    ("table", _TABLE_DISPATCH),
+    ("routed", _ROUTED_DISPATCH),
+):
+    OWN_REDUCERS[_name].update(
+        (k, v) for k, v in _table.items() if copyreg.dispatch_table.get(k) is not v
+    )
+
+
 def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
     """Pickle objects of exactly ``kind`` with ``reducer`` in messages (and only there: a
     layer above uses this for objects that may cross the wire but must not be pickled
     elsewhere, such as RRefs, whose pickling forks a reference)."""
-    _PAYLOAD_DISPATCH[kind] = reducer
-    _TABLE_DISPATCH[kind] = reducer
-    _ROUTED_DISPATCH[kind] = reducer
+    for table in (_PAYLOAD_DISPATCH, _TABLE_DISPATCH, _ROUTED_DISPATCH, *OWN_REDUCERS.values()):
+        table[kind] = reducer
 
 
 class _PayloadPickler(pickle.Pickler):
@@ -169,6 +196,9 @@ def _fresh(
 class _ThreadPicklers(threading.local):
     """Picklers per thread, reused across messages: constructing one costs more than a small
     message's whole pickling. Re-entrant use on one thread falls back to fresh ones."""
+
+    #: the class that pickles a message whose map routes CPU tensors (always a fresh one)
+    routed: type[pickle.Pickler] = _RoutedPickler
 
     def __init__(self) -> None:
         self.file = io.BytesIO()
@@ -283,8 +313,9 @@ def encode(
     """
     if _profiler_enabled():
         return _unrecorded(_encode, obj, make_ext, device_check)
+    picklers = choice.picklers
     if make_ext is None:  # (the common case, without a call more)
-        return _encode_inline(obj, _cached, device_check)
+        return _encode_inline(obj, _cached if picklers is None else picklers, device_check)
     return _encode(obj, make_ext, device_check)
 
 
@@ -293,7 +324,9 @@ def _encode(
     make_ext: Callable[[list[torch.Tensor]], Any] | None,
     device_check: DeviceCheck | None,
 ) -> Encoded:
-    cache = _cached
+    cache: _ThreadPicklers | ChosenPicklers = _cached
+    if choice.picklers is not None:
+        cache = choice.picklers
     if make_ext is None:
         return _encode_inline(obj, cache, device_check)
     file, buffers, pickler, reuse = cache.acquire(table=False)
@@ -312,6 +345,7 @@ def _encode(
             table_file, table_buffers, table = _fresh(_RoutedPickler)
             _policy.staged = set()
         elif reuse:  # this thread's table pickler comes with its payload pickler
+            assert isinstance(cache, _ThreadPicklers)
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
             table_file, table_buffers, table = _fresh(_TablePickler)
@@ -364,11 +398,13 @@ def _is_plain(obj: Any) -> bool:
     return True
 
 
-def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
-    if _is_plain(obj):
+def _encode_inline(
+    obj: Any, cache: _ThreadPicklers | ChosenPicklers, device_check: DeviceCheck | None
+) -> Encoded:
+    if cache is _cached and _is_plain(obj):  # (a chosen pickler pickles everything)
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
     if _routes_cpu(device_check):
-        file, buffers, pickler = _fresh(_RoutedPickler)
+        file, buffers, pickler = _fresh(cache.routed)
         reuse = False
         _policy.staged = set()
     else:
@@ -404,7 +440,7 @@ def decode(
     """
     if _profiler_enabled():
         return _unrecorded(_decode, meta, buffers, flags, on_table)
-    if not flags & HAS_TABLE:  # (the common case, without a call more)
+    if not flags & HAS_TABLE and choice.unpickler is None:  # (the common case)
         return None, pickle.loads(meta, buffers=buffers)
     return _decode(meta, buffers, flags, on_table)
 
@@ -415,13 +451,14 @@ def _decode(
     flags: int,
     on_table: OnTable | None,
 ) -> tuple[Any, Any]:
+    kind = choice.unpickler or pickle.Unpickler
     if not flags & HAS_TABLE:
-        return None, pickle.loads(meta, buffers=buffers)
+        return None, kind(io.BytesIO(meta), buffers=buffers).load()
     # two streams, two unpicklers (each stream has its own memo), one buffer sequence
     file = io.BytesIO(meta)
     buffer_iter = iter(buffers)
-    ext, tensors = pickle.Unpickler(file, buffers=buffer_iter).load()
-    unpickler = pickle.Unpickler(file, buffers=buffer_iter)
+    ext, tensors = choice.table_unpickler(file, buffers=buffer_iter).load()
+    unpickler = kind(file, buffers=buffer_iter)
     if on_table is not None:
         tensors = on_table(ext, tensors)
     receiving = _receiving

@@ -60,6 +60,7 @@ from ..._devices._maps import (
     DeviceMap,
     DevicePlan,
     default_devices,
+    gpus_from_record,
     maps_from_record,
     maps_to_record,
 )
@@ -89,6 +90,7 @@ from ._pool import ThreadPool
 from ._serving import Serving
 from ._shared import Shared
 from ._statistics import AgentState, AgentStatistics, StatisticsRecorder
+from ._wire_choices import WireChoices
 from ._worker_info import WorkerInfo
 
 _log = logging.getLogger("distgrad.rpc")
@@ -153,6 +155,8 @@ class RpcAgent:
         isolated: bool = False,
         dynamic: bool = False,
     ) -> None:
+        #: the pickler and allow-list its options chose (for the process; undone at stop)
+        self.wire_choices = WireChoices(options)  # (first: a bad choice fails before anything)
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
@@ -214,7 +218,7 @@ class RpcAgent:
             agent=self,
             codec=self._codec,
             workers=self._workers,
-            device_lane=self._device_lane,
+            lane=self._device_lane,
             stats=self._stats,
             blocking=self.blocking,
         )
@@ -233,7 +237,13 @@ class RpcAgent:
         and ``devices`` (validated by every worker as torch does)."""
         backend = self._chosen_backend() or DeviceBackend()
         opts = self.options
-        return maps_to_record(backend.device_count(), opts.device_maps, opts.devices)
+        gpus = None
+        count = backend.device_count()
+        if _config.env_flag(_config.ENV_CUDA_IPC, True) and (opts.devices or opts.device_maps):
+            # every GPU it sees, offered for CUDA IPC with peers that see the same one (a
+            # worker that maps devices initialises CUDA at init anyway)
+            gpus = backend.gpu_ids([torch.device("cuda", i) for i in range(count)])
+        return maps_to_record(count, opts.device_maps, opts.devices, gpus)
 
     @property
     def device_plan(self) -> DevicePlan:
@@ -270,6 +280,10 @@ class RpcAgent:
         (torch's ``_update_group_membership``)."""
         plan = self._codec.plan
         _count, maps, _devices = maps_from_record(record)
+        gpus = dict(plan.gpus)
+        joined = gpus_from_record(record)
+        if joined:
+            gpus[name] = joined
         reverse = dict(plan.reverse)
         mine = maps.get(self.worker_info.name)
         if mine:
@@ -277,7 +291,7 @@ class RpcAgent:
         else:
             reverse.pop(name, None)
         devices = plan.devices if self.options.devices else default_devices([], plan.maps, reverse)
-        self.set_device_plan(DevicePlan(plan.maps, reverse, devices))
+        self.set_device_plan(DevicePlan(plan.maps, reverse, devices, gpus, plan.me))
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -655,4 +669,5 @@ class RpcAgent:
         self._io.stop()
         self.keepalive.clear()
         _layer.agent_stopped(self)
+        self.wire_choices.undo()
         self.state = AgentState.STOPPED

@@ -271,9 +271,11 @@ class Outgoing:
         finally:
             if pool is not None:
                 pool.exit_blocking()
-        result = self._result(call)
-        if Process.seen:  # the caller's current streams wait for what arrived on devices
-            self._codec.backend.join_current(take_arrivals())
+        try:
+            result = self._result(call)
+        finally:
+            if Process.seen:  # the caller's current streams wait for what arrived on devices
+                self._codec.backend.join_current(take_arrivals())  # (after a failed decode too)
         return result
 
     def call_async(
@@ -396,6 +398,8 @@ class Outgoing:
         try:
             result = self._result(call)
         except BaseException as exc:
+            if Process.seen:
+                take_arrivals()  # a decode that failed halfway: forget what it put on devices
             set_future_error(future, exc)
             return
         arrivals = take_arrivals() if Process.seen else None

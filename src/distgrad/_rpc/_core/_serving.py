@@ -22,7 +22,9 @@ import torch
 from ..._devices._backend import Arrivals, Process, take_arrivals
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import Link, MessageInfo
+from ..._wire._choice import current_guard
 from ..._wire._frames import Frame, Kind
+from ..._wire._guard import RefusedError
 from ..._wire._pickler import decode, dumps, encode, loads
 from . import _layer, _profiling
 from ._calls import check_async_result, is_builtin
@@ -53,7 +55,7 @@ class Serving:
         agent: LayerAgent,
         codec: Codec,
         workers: ThreadPool,
-        device_lane: SerialLane,
+        lane: SerialLane,
         stats: StatisticsRecorder,
         blocking: Callable[[], contextlib.AbstractContextManager[None]],
     ) -> None:
@@ -63,8 +65,8 @@ class Serving:
         self._codec = codec
         #: where requests run
         self._workers = workers
-        #: one-way messages with device tensors are decoded here, off the I/O thread
-        self._device_lane = device_lane
+        #: where one-way messages with device tensors are decoded, off the I/O thread
+        self._lane = lane
         self._stats = stats
         #: a block that waits for other workers (frees the worker's pool slot meanwhile)
         self._blocking = blocking
@@ -104,7 +106,7 @@ class Serving:
             )
 
     def on_notify(self, conn: Link, frame: Frame) -> None:
-        lane = self._device_lane
+        lane = self._lane
         if (frame.buffers and self._codec.backend.name != "cpu") or lane.busy():
             # device tensors may be in it: decode off the I/O thread, in order (``_lane``)
             try:
@@ -117,7 +119,14 @@ class Serving:
     def _handle_notification(self, conn: Link, frame: Frame) -> None:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
+            guard = current_guard()
+            if guard is not None:  # the allow-list: one-way messages are distgrad's own
+                guard.check_call(func)
         except BaseException as exc:
+            if Process.seen:
+                take_arrivals()  # a decode that failed halfway: forget what it put on devices
+            if isinstance(exc, RefusedError):
+                self._stats.refused(conn.peer)
             _log.warning(
                 "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
             )
@@ -193,7 +202,10 @@ class Serving:
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
             )
         except BaseException as exc:
-            if isinstance(exc, (AttributeError, ImportError)):
+            if isinstance(exc, RefusedError):  # the allow-list: the error names what and why
+                error: BaseException = exc
+                self._stats.refused(conn.peer)
+            elif isinstance(exc, (AttributeError, ImportError)):
                 error = RuntimeError(f"{UDF_MISSING} ({exc!r})")
                 report_udf_error(error, str(self._shared.worker_info))
             else:
@@ -201,6 +213,13 @@ class Serving:
             unrun: BaseException | None = error
         else:
             unrun = None
+            guard = current_guard()
+            if guard is not None:  # the allow-list: may a peer run this function here?
+                try:
+                    guard.check_call(func)
+                except RefusedError as exc:
+                    self._stats.refused(conn.peer)
+                    unrun = exc
         finally:
             collected = references.stop_collecting(previous) if references is not None else None
             arrivals = take_arrivals() if Process.seen else None
