@@ -491,23 +491,51 @@ class Connection:
             self.reading.release()
         poller = self.poller
         if poller is not None and not self.closed:
-            poller.arm(self._fd)
+            try:  # (the set's modify, inline: this is on every call's path)
+                poller.modify(self._fd, poller.events)
+            except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                pass
 
-    def read_until(self, lock: threading.Lock, timeout: float) -> bool:
-        """Wait for ``lock`` (an answer's: released by whoever hands the answer on) by reading
-        this connection on the calling thread: a caller waiting alone reads its own answer,
-        and every frame that comes before it, with no other thread woken. Returns True once
-        ``lock`` is acquired; False at once if another thread holds the read role (or the
-        loop watches the socket itself), and False when ``timeout`` seconds (> 0) passed or
-        the connection closed -- the caller then waits for ``lock`` as usual."""
+    def hold_read(self) -> bool:
+        """Take the read role now (the I/O thread stops watching the socket) for a
+        :meth:`read_until` or :meth:`serve_lingering` to come -- taken before a request or a
+        reply is written, so that its answer cannot reach the I/O thread first. False if it
+        cannot be taken (TLS, no poller, closed, or another thread holds it)."""
         poller = self.poller
         if poller is None or self._tls or self.closed:
             return False
         if not self.reading.acquire(blocking=False):
             return False
+        try:  # (the set's modify, inline: this is on every call's path)
+            poller.modify(self._fd, 0)
+        except (OSError, ValueError):  # unregistered (closed), or the set is closed
+            pass
+        return True
+
+    def release_read(self) -> None:
+        """Give back a read role taken by :meth:`hold_read` and not used."""
+        self.reading.release()
+        poller = self.poller
+        if poller is not None and not self.closed:
+            try:  # (the set's modify, inline: this is on every call's path)
+                poller.modify(self._fd, poller.events)
+            except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                pass
+
+    def read_until(self, lock: threading.Lock, timeout: float, *, held: bool = False) -> bool:
+        """Wait for ``lock`` (an answer's: released by whoever hands the answer on) by reading
+        this connection on the calling thread: a caller waiting alone reads its own answer,
+        and every frame that comes before it, with no other thread woken. Returns True once
+        ``lock`` is acquired; False at once if another thread holds the read role (or the
+        loop watches the socket itself), and False when ``timeout`` seconds (> 0) passed or
+        the connection closed -- the caller then waits for ``lock`` as usual. ``held``: the
+        caller took the role already (:meth:`hold_read`); it is given back either way."""
+        poller = self.poller
+        if not held and not self.hold_read():
+            return False
+        assert poller is not None
         fd = self._fd
         try:
-            poller.disarm(fd)
             wait = self._wait
             if wait is None:
                 wait = self._wait = select.poll()
@@ -531,9 +559,12 @@ class Connection:
         finally:
             self.reading.release()
             if not self.closed:
-                poller.arm(fd)
+                try:  # (the set's modify, inline: this is on every call's path)
+                    poller.modify(fd, poller.events)
+                except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                    pass
 
-    def serve_lingering(self) -> bool:
+    def serve_lingering(self, *, held: bool = False) -> bool:
         """On a worker that served a request from this connection: wait a moment
         (``_LINGER``) for the next frame on this thread, and read what came, handing on its
         requests here -- the owner may keep one to run on this thread -- so that a peer that
@@ -541,22 +572,23 @@ class Connection:
         Any other frame, and everything after it in that read, goes to the I/O thread in
         order (as if it had read them: handlers meant for the I/O thread run there). Returns
         whether a request was handed on here (so lingering again may pay). A connection
-        where lingering keeps finding nothing is not lingered on for a while."""
+        where lingering keeps finding nothing is not lingered on for a while. ``held``: the
+        worker took the role already (:meth:`hold_read`); it is given back either way."""
         poller = self.poller
-        if poller is None or self._tls or self.closed:
-            return False
         if self._linger_credit <= 0:
             self._linger_skipped += 1
             if self._linger_skipped < _LINGER_RETRY:
+                if held:
+                    self.release_read()
                 return False
             self._linger_skipped = 0
             self._linger_credit = 1
-        if not self.reading.acquire(blocking=False):
+        if not held and not self.hold_read():
             return False
+        assert poller is not None
         fd = self._fd
         got = False
         try:
-            poller.disarm(fd)
             wait = self._wait
             if wait is None:
                 wait = self._wait = select.poll()
@@ -579,7 +611,10 @@ class Connection:
             else:
                 self.reading.release()
                 if not self.closed:
-                    poller.arm(fd)
+                    try:  # (the set's modify, inline: this is on every call's path)
+                        poller.modify(fd, poller.events)
+                    except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                        pass
         return got
 
     def _hand_pending(self) -> None:
@@ -602,7 +637,10 @@ class Connection:
             self.reading.release()
             poller = self.poller
             if poller is not None and not self.closed:
-                poller.arm(self._fd)
+                try:  # (the set's modify, inline: this is on every call's path)
+                    poller.modify(self._fd, poller.events)
+                except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                    pass
 
     def _on_readable(self) -> None:
         for _ in range(_READS_PER_WAKEUP):

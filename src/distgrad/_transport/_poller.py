@@ -47,6 +47,9 @@ class ReadPoller:
     def __init__(self, io: IoThread) -> None:
         self._io = io
         self._epoll = select.epoll()
+        #: the set's ``modify`` (a connection re-arms or disarms its socket with it directly)
+        self.modify = self._epoll.modify
+        self.events = _EVENTS
         self._by_fd: dict[int, Readable] = {}
         self._lock = threading.Lock()  # (register/unregister may run on a dialing thread)
         self._watched = False

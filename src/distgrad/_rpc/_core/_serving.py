@@ -162,23 +162,41 @@ class Serving:
         """:meth:`_serve`, then, while the pool has nothing waiting, linger on ``conn`` for
         the peer's next request and serve it on this thread: a peer calling again at once
         wakes this worker only (``Connection.serve_lingering``)."""
-        self._serve(conn, frame)
         linger = getattr(conn, "serve_lingering", None)
         if linger is None:
+            self._serve(conn, frame)
             return
         pool = self._workers
         here = self._here
-        while not self._shared.state.stopped and pool.linger_start():
+        while True:
+            # the read role is taken as soon as the reply went out (_write), so that the
+            # peer's next request rarely reaches the I/O thread first
+            here.hold = conn
+            try:
+                self._serve(conn, frame)
+            except BaseException:
+                if here.held:
+                    conn.release_read()  # type: ignore[attr-defined]
+                raise
+            finally:
+                here.hold = None
+                held, here.held = here.held, False
+            if self._shared.state.stopped or not pool.linger_start():
+                if held:
+                    conn.release_read()  # type: ignore[attr-defined]
+                return
             slot: list[Frame] = []
             here.slot = slot
             try:
-                got = linger()
+                got = linger(held=held)
             finally:
                 here.slot = None
                 pool.linger_end()
-            if slot:
-                self._serve(conn, slot[0])
+            if not slot:
+                return
+            frame = slot[0]
             if not got:
+                self._serve(conn, frame)
                 return
 
     def _serve(self, conn: Link, frame: Frame) -> None:
@@ -396,12 +414,20 @@ class Serving:
             conn.send_frame(kind, message_id, meta, buffers, flags)
         except DistgradError as exc:
             _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
+        here = self._here
+        if here.hold is conn and not here.held:  # a worker about to linger on conn
+            # (taken right after the reply, before the GIL may go to a thread the request
+            # released -- a follower leaving a barrier -- so the reply is out first)
+            here.held = conn.hold_read()  # type: ignore[attr-defined]
 
 
 class _Here(threading.local):
     """Per thread: where a lingering worker keeps the request it read to run itself."""
 
     slot: list[Frame] | None = None
+    #: the connection whose read role the reply about to be written takes, and whether it did
+    hold: object = None
+    held: bool = False
 
 
 class _ReplyLink:
