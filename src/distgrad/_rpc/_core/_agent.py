@@ -493,6 +493,7 @@ class RpcAgent:
     @state.setter
     def state(self, state: AgentState) -> None:
         self._shared.state = state
+        self._shared.stopped = state.stopped
 
     @property
     def rpc_timeout(self) -> float:

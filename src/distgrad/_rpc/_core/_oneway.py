@@ -94,7 +94,7 @@ class OneWay:
         On the I/O thread it never dials (see ``_dialer``): with no connection open to ``dst``,
         the message is sent by ``dst``'s dialing thread once it has connected (and a failure
         there is only logged)."""
-        if self._shared.state.stopped:
+        if self._shared.stopped:
             raise self._shared.stopped_error("NOTIFY")
         if not self._io.in_loop():
             self._notify(dst, func, args, later, device_map=device_map)
@@ -115,7 +115,7 @@ class OneWay:
         write finds the connection broken) sent by ``dst``'s dialing thread, which connects
         first and tries ``attempts`` times in all while connections break (never to a peer
         proved dead). Raises nothing: a message that cannot be delivered is logged (debug)."""
-        if self._shared.state.stopped:
+        if self._shared.stopped:
             return
         if self._writable_now(dst):
             try:
@@ -153,7 +153,7 @@ class OneWay:
         """Send now, dialing if needed, ``attempts`` times while connections break (a dialing
         thread's part of :meth:`notify` and :meth:`post`)."""
         for attempt in range(attempts):
-            if self._shared.state.stopped:
+            if self._shared.stopped:
                 return
             try:
                 self._notify(dst, func, args, False, device_map=device_map)
@@ -178,7 +178,7 @@ class OneWay:
         """Write the message on the connection to ``dst`` (dialed if none is open). A frame
         found not sent (a broken connection) goes once more on a new one -- unless not
         ``redial``: the ``FrameNotSentError`` is raised then."""
-        if self._shared.state.stopped:
+        if self._shared.stopped:
             raise self._shared.stopped_error("NOTIFY")
         assert self._shared.transport is not None
         conn = self._shared.transport.connection(dst)
@@ -216,7 +216,7 @@ class OneWay:
         incarnation = self._incarnation_of(dst)
 
         def failed(exc: BaseException, left: int) -> None:
-            if isinstance(exc, RpcShutdownError) or self._shared.state.stopped:
+            if isinstance(exc, RpcShutdownError) or self._shared.stopped:
                 set_future_error(result, exc)
                 return
             if isinstance(exc, PeerFailureError):

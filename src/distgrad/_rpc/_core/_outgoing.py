@@ -90,9 +90,6 @@ class Outgoing:
         self._active_lock = threading.Lock()
 
     # -- send: encode, register, write -----------------------------------------------------------
-    def _effective_timeout(self, timeout: float) -> float:
-        return self._shared.rpc_timeout if timeout < 0 else timeout
-
     def _send(
         self,
         dst: WorkerInfo,
@@ -105,7 +102,7 @@ class Outgoing:
         callback: AnswerCallback | None = None,
         device_map: DeviceMap | None = None,
     ) -> _Call:
-        if self._shared.state.stopped:
+        if self._shared.stopped:
             raise self._shared.stopped_error("REQUEST")
         assert self._shared.transport is not None
         conn = self._shared.transport.connection(dst.id)
@@ -143,7 +140,7 @@ class Outgoing:
         call = _Call(
             cid,
             conn,
-            self._effective_timeout(timeout),
+            self._shared.rpc_timeout if timeout < 0 else timeout,
             future,
             internal=internal,
             callback=callback,
@@ -214,7 +211,7 @@ class Outgoing:
         written; raises (the call counted as failed) if there is none."""
         assert self._shared.transport is not None
         try:
-            if self._shared.state.stopped:
+            if self._shared.stopped:
                 raise self._shared.stopped_error("REQUEST")
             conn = self._shared.transport.connection(dst.id)
         except BaseException:
@@ -495,7 +492,7 @@ class Outgoing:
             self._io.call_soon(self._tick)
 
     def _tick(self) -> None:
-        expired, more = self.calls.expire(time.monotonic(), stopping=self._shared.state.stopped)
+        expired, more = self.calls.expire(time.monotonic(), stopping=self._shared.stopped)
         for call in expired:
             call.error = RpcTimeoutError(rpc_timeout_message(call.timeout))
             self._finish(call)

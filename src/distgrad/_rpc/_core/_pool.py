@@ -200,7 +200,7 @@ class ThreadPool:
 def member_pool(pools: tuple[ThreadPool, ...]) -> ThreadPool | None:
     """The pool of ``pools`` that the calling thread belongs to, if any."""
     for pool in pools:
-        if pool.is_member():
+        if pool._mine.member:  # (is_member, inline: this is on every call's path)
             return pool
     return None
 

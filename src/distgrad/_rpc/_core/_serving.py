@@ -135,7 +135,7 @@ class Serving:
             self._codec.backend.settle(take_arrivals())
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
-        elif self._shared.state.stopped:
+        elif self._shared.stopped:
             return
         elif getattr(func, "_distgrad_after_current", False):
             self._workers.submit_after_current(self._run_notification, func, args)
@@ -181,7 +181,7 @@ class Serving:
             finally:
                 here.hold = None
                 held, here.held = here.held, False
-            if self._shared.state.stopped or not pool.linger_start():
+            if self._shared.stopped or not pool.linger_start():
                 if held:
                     conn.release_read()  # type: ignore[attr-defined]
                 return

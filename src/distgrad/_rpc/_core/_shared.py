@@ -25,6 +25,8 @@ class Shared:
     #: the default timeout of new calls (seconds; 0: none)
     rpc_timeout: float
     state: AgentState = AgentState.CREATED
+    #: ``state.stopped``, kept beside it (read on every call's path: no property call)
+    stopped: bool = False
     #: the transport, once the agent started it
     transport: Transport | None = None
     #: whether the transport wants a ``MessageInfo`` with each frame (fault injection)
