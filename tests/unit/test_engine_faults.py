@@ -132,10 +132,11 @@ CASES: dict[str, Case] = {
     "first-grad-dropped": Case(Fault("drop", function=GRAD, nth=1), "error", TIMEOUT),
     "first-grad-delayed": Case(Fault("delay", function=GRAD, seconds=0.05), "grads"),
     "first-grad-reordered": Case(Fault("reorder", function=GRAD, nth=1, hold=0.05), "grads"),
-    "late-grad-dropped": Case(  # one-way: the driver's bound fails it, naming the peer
+    "late-grad-dropped": Case(  # one-way: to the caller of backward, its driver's bound
+        # fails it, naming the peer; to another worker, the first message's timeout
         Fault("drop", function=LATE, nth=1),
         "error",
-        "will now be marked with an error (the backward pass waited for gradients from worker",
+        "will now be marked with an error",
     ),
     "late-grad-delayed": Case(Fault("delay", function=LATE, seconds=0.05), "grads"),
     "late-grad-reordered": Case(Fault("reorder", function=LATE, nth=1, hold=0.05), "grads"),

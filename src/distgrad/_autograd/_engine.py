@@ -47,20 +47,9 @@ from .._rpc._core._agent import current_agent
 from .._rpc._core._functions import async_execution, on_io_thread
 from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
-from ._pass import (
-    _ALL_PASSES,
-    _PASSES_LOCK,
-    ROOT,
-    BackwardError,
-    EngineRun,
-    GradMessage,
-    GradUpdate,
-    Pass,
-    PassMessages,
-    _Answer,
-    _done_future,
-    _pass_ids,
-)
+from ._grad_messages import BackwardError, GradMessage, GradUpdate, PassMessages
+from ._grad_messages import done_future as _done_future
+from ._pass import _ALL_PASSES, _PASSES_LOCK, ROOT, Pass, _Answer, _pass_ids
 
 __all__ = ["BackwardError", "backward", "on_peer_failure"]
 
@@ -114,9 +103,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
         ctx.pass_state = current
         try:
             current.start()
-            ones = [torch.ones_like(root) for root in roots]
-            current.run([EngineRun(ROOT, tuple(roots), ones, True)])
-            current.resolve(ROOT)
+            current.run_roots()
             current.flood()
         except Exception as exc:
             current.fail(exc)
@@ -187,6 +174,17 @@ def _lost_gradients(current: Pass, bound: float) -> RpcTimeoutError:
     )
 
 
+def _stale(ctx: DistAutogradContext, pass_id: tuple[int, int]) -> bool:
+    """True for a pass that is over here or that a later pass of its caller superseded: its
+    late messages are dropped (quietly: a failed pass's stragglers are no error)."""
+    if pass_id in ctx.ended_passes:
+        return True
+    current: Pass | None = ctx.pass_state
+    return (
+        current is not None and current.pass_id[0] == pass_id[0] and pass_id[1] < current.pass_id[1]
+    )
+
+
 def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> tuple[Pass, bool]:
     """The pass ``pass_id`` on this worker, joining it if new; True if this message is the first."""
     current: Pass | None = ctx.pass_state
@@ -213,7 +211,7 @@ def _start_message(
 ) -> torch.futures.Future[None]:
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
-        if ctx.last_pass_id == pass_id:
+        if _stale(ctx, pass_id):
             return _done_future()
         current, first = _join(ctx, pass_id, retain)
         current.in_touch.add(src)
@@ -228,10 +226,11 @@ def _start_message(
 
 @async_execution
 def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
-    context_id, pass_id, retain, src, update = message
+    context_id, pass_id, retain, src, updates = message
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
-        if ctx.last_pass_id == pass_id:  # a straggler of a pass already over here
+        if _stale(ctx, pass_id):  # a straggler of a pass already over here
+            _log.debug("dropped a gradient message of pass %s (over here)", pass_id)
             return _done_future()
         current, first = _join(ctx, pass_id, retain)
         current.in_touch.add(src)
@@ -239,10 +238,11 @@ def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
         if current.finished:
             return _reply_for(current, first)
         if current.driver is not None:  # never the first message: answered at once
-            current.driver.put(update)
+            for update in updates:
+                current.driver.put(update)
             return _done_future()
         try:
-            current.on_grad_messages([update])
+            current.on_grad_messages(list(updates))
             if first:
                 current.flood()
         except Exception as exc:
@@ -250,20 +250,36 @@ def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
         return _reply_for(current, first)
 
 
+def _late(message: GradMessage) -> None:
+    """A one-way gradient message on a worker thread: nothing waits for an answer, so one
+    that finds no context (its pass failed and the context is gone) is dropped quietly."""
+    if CONTAINER.get_context(message.context_id) is None:
+        _log.debug("dropped a gradient message for context %s (gone)", message.context_id)
+        return
+    try:
+        _grad_message(message)
+    except Exception as exc:  # (the context went away in between)
+        _log.debug("dropped a gradient message for context %s: %s", message.context_id, exc)
+
+
 @on_io_thread
 def _late_grad_message(message: GradMessage) -> None:
     """A gradient message that needs no answer (I/O thread). On the worker that called
     backward it goes straight to the driving thread's queue; elsewhere to a worker thread."""
     ctx = CONTAINER.get_context(message.context_id)
-    current = None if ctx is None else ctx.pass_state
+    if ctx is None:
+        _log.debug("dropped a gradient message for context %s (gone)", message.context_id)
+        return
+    current = ctx.pass_state
     if current is not None and current.pass_id == message.pass_id and current.driver is not None:
         current.in_touch.add(message.src)
         current.heard_from.add(message.src)
-        current.driver.put(message.update)
+        for update in message.updates:
+            current.driver.put(update)
         return
     agent = current_agent()
     if agent is not None:
-        agent.schedule(lambda: _grad_message(message))
+        agent.schedule(lambda: _late(message))
 
 
 #: what every pass sends its peers (``_pass`` is below this module: it is handed them)
