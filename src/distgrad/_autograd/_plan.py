@@ -176,19 +176,23 @@ def _nested(targets: Mapping[tuple[int, int], tuple[Any, int]]) -> bool:
 def _widen(targets: dict[tuple[int, int], tuple[Any, int]], live: set[int]) -> None:
     """Captured nodes below other captured ones: torch runs every node above a captured one,
     so those run now, with the part of their gradient this run has (the rest comes later:
-    correct by linearity, but such a node runs more than once in the pass). What they lead
-    to is captured in turn, until nothing that runs feeds a node that does not."""
+    correct by linearity, but such a node runs more than once in the pass). A node that runs
+    is not captured; what it leads to is, until nothing that runs feeds a node that does not."""
+    runs: dict[int, Any] = {}
     while True:
-        runs = _above(targets)
-        added = False
+        runs.update(_above(targets))
+        changed = False
+        for key in [key for key in targets if key[0] in runs]:
+            del targets[key]
+            changed = True
         for node in runs.values():
             for child, nr in node.next_functions:
                 if child is None or id(child) in live or id(child) in runs:
                     continue
                 if (id(child), nr) not in targets:
                     targets[(id(child), nr)] = (child, nr)
-                    added = True
-        if not added:
+                    changed = True
+        if not changed:
             return
 
 
