@@ -49,7 +49,8 @@ from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
 from ._grad_messages import BackwardError, GradMessage, GradUpdate, PassMessages
 from ._grad_messages import done_future as _done_future
-from ._pass import _ALL_PASSES, _PASSES_LOCK, ROOT, Pass, _Answer, _pass_ids
+from ._pass import _ALL_PASSES, _PASSES_LOCK, ROOT, Pass, _pass_ids
+from ._sources import Answer as _Answer
 
 __all__ = ["BackwardError", "backward", "on_peer_failure"]
 

@@ -25,7 +25,6 @@ from ._functions import (
     SendRecord,
     edge_roots,
     reach_of,
-    run_engine,
 )
 from ._grad_messages import (
     BackwardError,
@@ -34,15 +33,13 @@ from ._grad_messages import (
     PassMessages,
     done_future,
 )
-from ._hooks import (
-    GRAD_LOCK,
-    HookedLeaf,
-    borrowed_grads,
-    hooks_set_aside,
-    is_hooked,
-    run_accumulators,
-)
+from ._hooks import HookedLeaf
 from ._plan import Waiting, add_grads, plan
+from ._run import execute, flush_hooked
+from ._sources import Answer as _Answer
+from ._sources import RecvState as _RecvState
+from ._sources import Source as _Source
+from ._sources import edges as _edges
 
 __all__ = [
     "ROOT",
@@ -60,79 +57,6 @@ _pass_ids = itertools.count()
 _ALL_PASSES: set[Pass] = set()
 _PASSES_LOCK = threading.Lock()
 _done_future = done_future  # (the engine's name for it)
-
-
-class _Answer:
-    """For the driving thread: the answer to one of its first messages."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException | None) -> None:
-        self.error = error
-
-
-class _Source:
-    """Where torch's engine starts on this worker: the roots, or a send function. Its
-    gradients are summed until it is *resolved* (its final message and every gradient message
-    it announced are in); only then does it start a run."""
-
-    __slots__ = (
-        "accumulators",
-        "blocks",
-        "expected",
-        "final_seen",
-        "grads",
-        "key",
-        "leaves",
-        "processed",
-        "recvs",
-        "resolved",
-        "roots",
-        "shared",
-    )
-
-    def __init__(self, key: int) -> None:
-        self.key = key
-        self.leaves: dict[int, torch.Tensor] = {}
-        self.accumulators: dict[int, Any] = {}  # the leaves' AccumulateGrad nodes
-        self.recvs: set[int] = set()
-        #: it shares nodes with another source: its runs go through a plan (``_plan``)
-        self.shared = False
-        #: the ids of the shared nodes it reaches (they are blocked while it is pending)
-        self.blocks: list[int] = []
-        self.resolved = False
-        self.final_seen = False
-        self.expected = 0
-        self.processed = 0
-        self.roots: tuple[Any, ...] = ()
-        self.grads: list[torch.Tensor] | None = None
-
-    def add(self, grads: list[torch.Tensor]) -> None:
-        old = self.grads
-        if old is None:
-            self.grads = grads
-        else:
-            self.grads = [add_grads(a, b) for a, b in zip(old, grads, strict=True)]
-
-    def take(self) -> list[torch.Tensor]:
-        """The summed gradients, handed over: the list they came in (the message's) is
-        emptied, so that the run's list is the only reference to them (see ``_execute``)."""
-        grads = self.grads
-        assert grads is not None
-        self.grads = None
-        taken = list(grads)
-        grads.clear()
-        return taken
-
-
-class _RecvState:
-    __slots__ = ("final", "record", "sent", "sources")
-
-    def __init__(self, record: RecvRecord) -> None:
-        self.record = record
-        self.sources: set[int] = set()
-        self.sent = 0
-        self.final = False
 
 
 class Pass:
@@ -380,83 +304,26 @@ class Pass:
         captures: list[tuple[Any, int]],
         retain: bool,
     ) -> None:
-        """Run torch's engine from ``roots``; store the leaves' gradients in the context, send
-        the recv functions' to their peers, keep what flows into the ``captures`` edges (into
-        nodes that do not run now) for later runs."""
-        leaf_list = list(leaves.values())
+        """Run torch's engine from ``roots`` (``_run``); queue the recv functions' gradients
+        for their peers, keep what flowed into the ``captures`` edges for later runs."""
         recv_list = sorted(recv_ids)
-        inputs: list[Any] = list(leaf_list)
-        for msg_id in recv_list:
-            inputs.extend(self.recvs[msg_id].record.edges)
-        if not inputs:
+        recv_edges = [self.recvs[msg_id].record.edges for msg_id in recv_list]
+        done = execute(
+            self.ctx, roots, grads, leaves, accumulators, recv_edges, captures, retain, self.hooked
+        )
+        if done is None:
             return
-        inputs.extend(GradientEdge(node, nr) for node, nr in captures)
-        hooked = [leaf for leaf in leaf_list if is_hooked(leaf, accumulators[id(leaf)])]
-        if hooked:
-            with GRAD_LOCK, hooks_set_aside(hooked, "_backward_hooks"):
-                captured = list(run_engine(roots, grads, inputs, retain))
-        else:
-            captured = list(run_engine(roots, grads, inputs, retain))
-        # The run takes the incoming gradients over: once torch's engine is done with them,
-        # nothing here refers to them any more, so what the engine built on them -- a sparse
-        # gradient's values are a view of the embedding output's gradient -- may be stored
-        # without a copy when no user code kept them.
-        grads.clear()
-        position = len(leaf_list)
-        recv_grads: list[list[torch.Tensor | None]] = []
-        for msg_id in recv_list:
-            width = len(self.recvs[msg_id].record.edges)
-            recv_grads.append(captured[position : position + width])
-            position += width
-        for (node, nr), grad in zip(captures, captured[position:], strict=True):
+        recv_grads, captured = done
+        for (node, nr), grad in zip(captures, captured, strict=True):
             if grad is not None:
                 key = (id(node), nr)
                 waiting = self.waiting.get(key)
                 if waiting is None:
                     waiting = self.waiting[key] = Waiting(node, nr)
                 waiting.grad = add_grads(waiting.grad, grad)
-        hooked_ids = {id(leaf) for leaf in hooked}
-        pairs = []
-        for index, leaf in enumerate(leaf_list):
-            grad = captured[index]
-            if grad is None:
-                continue
-            captured[index] = None  # (the pair holds the engine's gradient alone: see below)
-            if id(leaf) in hooked_ids:
-                pending = self.hooked.get(id(leaf))
-                if pending is None:
-                    pending = self.hooked[id(leaf)] = HookedLeaf(leaf, accumulators[id(leaf)])
-                pending.add(grad)
-            else:
-                pairs.append((leaf, grad))
-        grad = None
-        if pairs:
-            # a gradient that only its pair refers to is taken over without a copy
-            self.ctx.accumulate_grads(pairs)
-        del pairs
         for msg_id, captured_recv in zip(recv_list, recv_grads, strict=True):
             state = self.recvs[msg_id]
             self._send_grads(state, state.record.fill(captured_recv))
-
-    def _flush_hooked(self) -> None:
-        """Run the hooks of hooked leaves that no unresolved source can reach any more, once,
-        on their whole gradient of this pass (``_hooks``)."""
-        ready = [
-            pending
-            for key, pending in self.hooked.items()
-            if pending.grad is not None
-            and all(s.resolved for s in self.sources.values() if key in s.leaves)
-        ]
-        if not ready:
-            return
-        ctx = self.ctx
-        # every hooked leaf of the pass is lent: a reducer's last hook may write any of them
-        lent = [pending.variable for pending in self.hooked.values()]
-        with GRAD_LOCK, CONTAINER.forced_current(ctx.context_id):
-            with borrowed_grads(lent, ctx.grads_of(lent)):
-                run_accumulators(ready)
-                results = [(variable, variable.grad) for variable in lent]
-            ctx.replace_grads(results)
 
     # -- messages --------------------------------------------------------------------------------
     def _send_grads(self, state: _RecvState, grads: list[torch.Tensor] | None) -> None:
@@ -510,7 +377,12 @@ class Pass:
         """Run the hooks of leaves that are complete; send final markers for recv functions
         whose sources are all resolved."""
         if self.hooked:
-            self._flush_hooked()
+            sources = self.sources.values()
+            flush_hooked(
+                self.ctx,
+                self.hooked,
+                lambda key: all(s.resolved for s in sources if key in s.leaves),
+            )
         for state in self.recvs.values():
             if not state.final and self._recv_ready(state):
                 self._send_grads(state, None)
@@ -623,11 +495,3 @@ class Pass:
             if key != ROOT and not source.resolved and self.ctx.send_functions[key].dst == worker:
                 return True
         return False
-
-
-def _edges(roots: tuple[Any, ...]) -> list[GradientEdge]:
-    """A source's roots as gradient edges (the roots' tensors by their ``grad_fn``)."""
-    return [
-        root if isinstance(root, GradientEdge) else GradientEdge(root.grad_fn, root.output_nr)
-        for root in roots
-    ]
