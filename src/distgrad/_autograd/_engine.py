@@ -4,14 +4,17 @@
 How a pass runs (see docs/design.md, "Distributed backward pass", for the reasoning):
 
 * **Sources.** On each worker, torch's engine is started from *sources*: the roots (on the
-  worker that called ``backward``) and the send functions that receive gradients. Each
-  arriving gradient message runs torch's engine at once from its send function (pipelining;
-  messages already waiting are batched into one run). Gradients are linear, so running the
-  shared parts of the graph once per message gives the same result as one combined run.
+  worker that called ``backward``) and the send functions that receive gradients. A source's
+  gradients are summed until it is *resolved*; then one run starts from it (with others
+  resolved at the same time, and gradients waiting at nodes). Each node of the worker's graph
+  runs at most once per pass, with the sum of its gradients, as in torch: a run executes only
+  the nodes no pending source reaches, and what flows into the others waits there (``_plan``).
+  Sources that share no node with another run as they are. Everything a run sends a peer goes
+  in one message.
 * **Recv functions** are never executed: the gradients flowing into them are captured at
-  their edges and shipped to the sender as a *partial* message. A recv function is *final*
-  once every source that can reach it is resolved; its last message carries ``final`` and
-  the number of gradient messages it sent in this pass.
+  their edges and shipped to the sender. A recv function is *final* once every source that
+  can reach it is resolved (its gradient is captured in that same run, so one message carries
+  both); the message carries ``final`` and the number of gradient messages it sent.
 * **Resolution.** A send function is resolved when its peer's final message and all the
   gradient messages it announced have been processed. A recv function no source can reach is
   final at once, with no gradients -- that is how a pass whose RPC results are partly unused
@@ -31,7 +34,9 @@ How a pass runs (see docs/design.md, "Distributed backward pass", for the reason
   and ``backward`` returns exactly when the whole pass has finished. No barrier, no polling.
 * **Errors** fail the pass where they happen and travel up that tree, each hop prefixing
   ``Error on Node N: ``. The context survives; a new pass supersedes a stale one. A dead
-  peer fails every pass that waits on it (through the agent's failure detection).
+  peer fails every pass that waits on it (through the agent's failure detection). Late
+  messages of a pass that is over (or superseded, or whose context is gone) are dropped with
+  a debug line.
 """
 
 from __future__ import annotations

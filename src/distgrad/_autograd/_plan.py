@@ -4,24 +4,24 @@ A node of a worker's graph runs at most once per pass, with the sum of every gra
 reaches it (torch's rule). distgrad still starts torch's engine as soon as gradients arrive, so
 each run executes only the nodes that no *pending* source can reach any more (a source is
 pending until its gradients are all in; the nodes a pending source reaches are *blocked*).
-Where the run's gradients flow into a blocked node, they are *tapped* (a post-hook on the
-node that sends them reads its output for that edge) and wait in the pass
+Where the run's gradients flow into a node that does not run, they are *captured* there (the
+edge, a ``GradientEdge``, is one of the run's ``inputs``) and wait in the pass
 (:class:`Waiting`); a later run that finds the node unblocked starts from it, with the sum.
 
 :func:`plan` walks down from a run's start nodes through unblocked nodes. A node is *live* if
 it leads to an input of the run -- a leaf's ``AccumulateGrad`` node or a recv function of the
 context, unblocked -- and torch's engine executes exactly the live nodes (it executes what
 leads to the ``inputs`` it is given). An unblocked node that leads only into blocked nodes is
-not live yet: it waits, as a blocked one does, until what it leads to runs. Taps are placed on
-edges from live nodes into nodes that are not live, and never at a blocked node's input
-(capturing there would make torch execute a blocked node above another one).
+not live yet: it waits, as a blocked one does, until what it leads to runs.
 
 Why each node runs once: a node runs in the first run in which it is unblocked and live; every
 gradient for it comes from a source that reaches it (resolved by then: it is unblocked) or from
 a node above it that waits (that node is live in the same run, since it leads to this one), so
-all of them are in that run. Why nothing deadlocks: a pending source's gradient can only
-depend on work that comes later in the forward than its message, and a node it reaches came
-earlier -- what waits never holds up what it waits for.
+all of them are in that run. The exception is a captured node below another captured one: torch
+executes every node above a captured one, so the upper one runs early (:func:`_widen`). Why
+nothing deadlocks: a pending source's gradient can only depend on work that comes later in the
+forward than its message, and a node it reaches came earlier -- what waits never holds up what
+it waits for.
 """
 
 from __future__ import annotations
