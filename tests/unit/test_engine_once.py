@@ -13,7 +13,7 @@ import torch
 
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
-from distgrad._autograd import _plan
+from distgrad._autograd import _pass, _plan
 from distgrad.testing import open_world
 from tests import _once_programs as programs
 
@@ -104,6 +104,21 @@ def test_a_reentrant_checkpoint_fails_as_on_torch(distributed_calls: None) -> No
 
     with open_world(WORLD, timeout=20) as world:
         assert "Error on Node 0" in (world.run(body)[0] or "")
+
+
+@pytest.mark.parametrize("name", ["two_rpcs", "hooks", "sparse", "unused_result"])
+def test_a_torch_without_edge_roots_runs_each_message_and_gives_torchs_gradients(
+    name: str, distributed_calls: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch before 2.4 cannot start its engine at a node: each message runs at once (a
+    shared node once per message, as distgrad did before) -- still torch's gradients."""
+    programs.CALL = programs._local_call
+    expected_grad, _ = _local(name)
+    programs.CALL = rpc.rpc_sync
+    monkeypatch.setattr(_pass, "edge_roots", lambda: False)
+    with open_world(WORLD, timeout=20) as world:
+        grad, _ = _distributed(world, name)
+    torch.testing.assert_close(grad, expected_grad)
 
 
 def _nested(w: torch.Tensor) -> torch.Tensor:

@@ -191,14 +191,18 @@ def _stale(ctx: DistAutogradContext, pass_id: tuple[int, int]) -> bool:
     )
 
 
-def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> tuple[Pass, bool]:
-    """The pass ``pass_id`` on this worker, joining it if new; True if this message is the first."""
+def _join(
+    ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool, src: int
+) -> tuple[Pass, bool]:
+    """The pass ``pass_id`` on this worker, joining it if new (``src``'s message is then its
+    first, answered when this worker's part is done); True if this message is the first."""
     current: Pass | None = ctx.pass_state
     if current is not None and current.pass_id == pass_id:
         return current, False
     if current is not None:
         current.fail(BackwardError("superseded by a new backward pass"))
     joined = Pass(ctx, pass_id, retain, None, _MESSAGES)
+    joined.parent = src
     ctx.pass_state = joined
     try:
         joined.start()
@@ -207,19 +211,19 @@ def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> t
     return joined, True
 
 
-def _reply_for(current: Pass, first: bool) -> torch.futures.Future[None]:
+def _reply_for(current: Pass, first: bool) -> torch.futures.Future[Any]:
     return current.done if first else _done_future()
 
 
 @async_execution
 def _start_message(
     context_id: int, pass_id: tuple[int, int], retain: bool, src: int
-) -> torch.futures.Future[None]:
+) -> torch.futures.Future[Any]:
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
         if _stale(ctx, pass_id):
             return _done_future()
-        current, first = _join(ctx, pass_id, retain)
+        current, first = _join(ctx, pass_id, retain, src)
         current.in_touch.add(src)
         current.heard_from.add(src)
         if first:
@@ -231,14 +235,14 @@ def _start_message(
 
 
 @async_execution
-def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
+def _grad_message(message: GradMessage) -> torch.futures.Future[Any]:
     context_id, pass_id, retain, src, updates = message
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
         if _stale(ctx, pass_id):  # a straggler of a pass already over here
             _log.debug("dropped a gradient message of pass %s (over here)", pass_id)
             return _done_future()
-        current, first = _join(ctx, pass_id, retain)
+        current, first = _join(ctx, pass_id, retain, src)
         current.in_touch.add(src)
         current.heard_from.add(src)
         if current.finished:

@@ -87,7 +87,11 @@ class Pass:
         # workers known to take part: those messaged, and those a message came from
         self.in_touch: set[int] = set()
         self.heard_from: set[int] = set()
-        self.done: torch.futures.Future[None] = torch.futures.Future()
+        #: completed when this worker's part is: the answer to the first message (its value:
+        #: the updates for that message's sender, or None)
+        self.done: torch.futures.Future[Any] = torch.futures.Future()
+        #: the worker whose first message of the pass this worker answers (None: the caller)
+        self.parent: int | None = None
         self.finished = False
         #: on the worker that called backward: gradient messages and answers for its thread
         self.driver: queue.SimpleQueue[GradUpdate | _Answer | None] | None = None
@@ -224,7 +228,11 @@ class Pass:
                 blockers = self.blockers
                 for node in source.blocks:
                     blockers[node] -= 1
-        if self.once:
+        if not self.once:  # (the roots: a message's gradients ran when it came)
+            for source in resolved:
+                if source.grads is not None:
+                    self._run_now(source, True)
+        else:
             fast = [s for s in resolved if s.grads is not None and not s.shared]
             slow = [s for s in resolved if s.grads is not None and s.shared]
             if fast or slow or (replan and self.waiting):
@@ -386,8 +394,35 @@ class Pass:
         for state in self.recvs.values():
             if not state.final and self._recv_ready(state):
                 self._send_grads(state, None)
+        held = self._hold_for_parent()
         self._send_outbox()
+        if held is not None:
+            if self._complete():
+                # This worker's part is done with this step: the answer to the first message
+                # carries what it had for that message's sender (one frame, one wake-up less).
+                self._finish()
+                self.done.set_result(held)
+                return
+            self._queue_updates(self.parent, held)
+            self._send_outbox()
         self._check_done()
+
+    def _hold_for_parent(self) -> tuple[GradUpdate, ...] | None:
+        """The updates queued for the worker whose first message this worker answers (plain
+        ones: no device map, no profiler), taken out of the outbox."""
+        parent = self.parent
+        if parent is None or _profiling.wants(self.messages.grad):
+            return None
+        updates = self._outbox.pop((parent, 0), None)
+        if updates is None:
+            return None
+        del self._device_maps[(parent, 0)]
+        return tuple(updates)
+
+    def _queue_updates(self, worker: int | None, updates: tuple[GradUpdate, ...]) -> None:
+        assert worker is not None
+        self._outbox[(worker, 0)] = list(updates)
+        self._device_maps[(worker, 0)] = None
 
     def _message(
         self,
@@ -441,34 +476,46 @@ class Pass:
 
         future.add_done_callback(answered)
 
-    def _on_answer(self, _result: Any, error: BaseException | None) -> None:
-        """The answer to a first message (on the I/O thread: quick, no lock here)."""
+    def _on_answer(self, result: Any, error: BaseException | None) -> None:
+        """The answer to a first message (on the I/O thread: quick, no lock here); it may carry
+        the answering worker's last gradient updates for this one (``_flush_recvs``)."""
+        updates: tuple[GradUpdate, ...] = result if isinstance(result, tuple) else ()
         driver = self.driver
         if driver is not None:
+            for update in updates:
+                driver.put(update)
             driver.put(_Answer(error))
             return
         agent = current_agent()
         if agent is not None:
-            agent.schedule(lambda: self._answered(error))
+            agent.schedule(lambda: self._answered(error, updates))
 
-    def _answered(self, error: BaseException | None) -> None:
+    def _answered(self, error: BaseException | None, updates: tuple[GradUpdate, ...]) -> None:
         with self.ctx.lock:
             self.outstanding -= 1
             if error is not None:
                 self.fail(error)
+            elif updates and not self.finished:
+                try:
+                    self.on_grad_messages(list(updates))
+                except Exception as exc:
+                    self.fail(exc)
             else:
                 self._check_done()
 
     # -- completion ------------------------------------------------------------------------------
+    def _complete(self) -> bool:
+        return (
+            not self.finished
+            and self.outstanding == 0
+            and all(s.resolved for s in self.sources.values())
+            and all(r.final for r in self.recvs.values())
+        )
+
     def _check_done(self) -> None:
-        if self.finished or self.outstanding > 0:
-            return
-        if not all(s.resolved for s in self.sources.values()):
-            return
-        if not all(r.final for r in self.recvs.values()):
-            return
-        self._finish()
-        self.done.set_result(None)
+        if self._complete():
+            self._finish()
+            self.done.set_result(None)
 
     def fail(self, error: BaseException) -> None:
         if self.finished:
