@@ -331,3 +331,21 @@ def test_encoder_refuses_the_transport_flag() -> None:
     """The layer above cannot set the transport's own flag bit."""
     with pytest.raises(ValueError, match="reserved"):
         encode_frame(Kind.REQUEST, 1, b"", None, FLAG_BY_REFERENCE)
+
+
+@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+def test_buffers_the_reader_could_not_read_travel_inline() -> None:
+    """Large buffers that ``readable`` refuses (the sender's probe of memory the kernel will
+    not let the peer read, such as pinned CUDA host memory) travel inline; the others stay
+    behind; the parser rebuilds the same frame (issue 29, item 1)."""
+    small, pinned, heap = os.urandom(100), os.urandom(300_000), os.urandom(200_000)
+    buffers = [pickle.PickleBuffer(b) for b in (small, pinned, heap)]
+    refused = buffers[1].raw()
+    pieces, kept = encode_frame_by_reference(
+        Kind.REQUEST, 9, b"meta", buffers, 1, 5, 65_536, lambda v: v.obj is not refused.obj
+    )
+    assert [v.nbytes for v in kept] == [200_000]
+    data = stream_of(pieces)
+    assert 300_000 < len(data) < 302_000  # the refused buffer is in the stream, the other not
+    frames = feed(FrameParser(BIG, read_remote=read_own_memory), data, None)
+    assert_same(frames[0], Kind.REQUEST, 9, 1, b"meta", [small, pinned, heap])

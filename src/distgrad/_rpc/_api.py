@@ -13,10 +13,17 @@ import torch
 
 from .. import _config
 from .._errors import PeerFailureError
-from ._core._agent import RpcAgent, require_agent
-from ._core._calls import RpcFuture, failed_future, is_builtin
-from ._core._torchscript import SCRIPT_TARGETS, as_rpc_target, rref_limit
-from ._core._worker_info import WorkerInfo
+from ._core import (
+    SCRIPT_TARGETS,
+    RpcAgent,
+    RpcFuture,
+    WorkerInfo,
+    as_rpc_target,
+    failed_future,
+    is_builtin,
+    require_agent,
+    rref_limit,
+)
 from ._group._init import init_rpc, init_rpc_backend
 from ._group._shutdown import shutdown
 from ._rrefs._rref import RRef, create_remote

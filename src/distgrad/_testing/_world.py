@@ -31,9 +31,13 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from .._devices._maps import plan_devices
 from .._rpc import _api
-from .._rpc._core._agent import RpcAgent, bind_thread, current_agent
-from .._rpc._core._options import TensorPipeRpcBackendOptions
-from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._core import (
+    RpcAgent,
+    TensorPipeRpcBackendOptions,
+    WorkerInfo,
+    bind_thread,
+    current_agent,
+)
 from .._rpc._group._dynamic import join_group
 from .._rpc._group._lease import write_state
 from .._rpc._group._rendezvous import address_record

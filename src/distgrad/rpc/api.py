@@ -14,9 +14,9 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
-from .._rpc._core import _worker_info
-from .._rpc._core._agent import RpcAgent as _RpcAgent
-from .._rpc._core._agent import current_agent as _current_agent
+from .._rpc._core import RpcAgent as _RpcAgent
+from .._rpc._core import WorkerInfo as _WorkerInfo
+from .._rpc._core import current_agent as _current_agent
 from .._rpc._group import _collectives
 from .._rpc._rrefs._rref import RRef
 from .._rpc._rrefs._rref_context import context_of
@@ -36,7 +36,7 @@ PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
 # names torch's module has too (libraries call ``rpc.api._require_initialized``)
 _require_initialized = _api_impl._require_initialized
 get_rpc_timeout = _api_impl.get_rpc_timeout
-WorkerInfo = _worker_info.WorkerInfo
+WorkerInfo = _WorkerInfo
 
 
 class AllGatherStates:
