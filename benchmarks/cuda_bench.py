@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         impls["torch-basic"] = ("torch", Placement())
     sizes = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
     cfg = {
-        "sizes": [1 << 10, 1 << 20, 64 << 20, 256 << 20] if args.quick else sizes,
+        "sizes": [1 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] if args.quick else sizes,
         "bytes_per_size": (1 << 30) if args.quick else (4 << 30),
         "max_iters": 100 if args.quick else 500,
         "small_iters": 300 if args.quick else 2000,
@@ -187,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results[name] = group.value
         print(f"{name}: done in {time.monotonic() - started:.0f}s", flush=True)
+        report(results, cfg, env, args.json)  # after each: a stopped run keeps what it measured
+    exact = {n: v["exact"] for n, v in results.items()}
+    return 1 if failed or not results or not all(exact.values()) else 0
+
+
+def report(results: dict[str, Any], cfg: dict[str, Any], env: Any, json_path: str | None) -> None:
+    """Print the table of what ran so far (and write it to ``json_path``)."""
     rows = []
 
     def add(label: str, key: Any, size: int | None = None) -> None:
@@ -211,10 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["median ms", *IMPLS, "distgrad/torch", "distgrad/torch-basic"]
     print_table(headers, rows)
     exact = {n: v["exact"] for n, v in results.items()}
-    print("echo bit-exact:", exact)
-    if args.json:
-        write_json(args.json, {"environment": env, "config": cfg, "rows": rows, "raw": results})
-    return 1 if failed or not all(exact.values()) else 0
+    print("echo bit-exact:", exact, flush=True)
+    if json_path:
+        write_json(json_path, {"environment": env, "config": cfg, "rows": rows, "raw": results})
 
 
 if __name__ == "__main__":

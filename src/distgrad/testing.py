@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from ._errors import InjectedFailureError
-from ._rpc._core._agent import current_agent
+from ._rpc._core import current_agent
 from ._testing._world import World, WorldTimeout, open_world, worker_thread, world_options
 from ._transport._faulty import AppliedFault, Fault, FaultPlan, FaultyTransport
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import distgrad.rpc as rpc
+from distgrad._config import CUDA_IPC_THRESHOLD
 from distgrad._devices._backend import DeviceBackend
 from distgrad._devices._maps import (
     CPU_ONLY,
@@ -22,7 +23,7 @@ from distgrad._devices._maps import (
     route,
     validate_device_maps,
 )
-from distgrad._rpc._core._codec import Codec
+from distgrad._rpc._core._codec import Codec, DeviceRouter
 from distgrad._rpc._core._worker_info import WorkerInfo
 
 torch_rpc = pytest.importorskip("torch.distributed.rpc")
@@ -219,6 +220,55 @@ def test_plan_from_published_records() -> None:
     for me in ("a", "b"):
         with pytest.raises(ValueError, match=r"^Node a has target devices with invalid indices"):
             plan_devices(me, ["a", "b"], published)
+
+
+def test_tensors_between_workers_on_one_gpu_are_shared_by_ipc() -> None:
+    """Workers publish the UUID of each GPU their maps name; a map entry whose two ends are one
+    physical GPU (same UUID: same host, same device, whatever each worker numbers it) is
+    exchanged by CUDA IPC (the backend's ``stage_shared``) from ``CUDA_IPC_THRESHOLD`` bytes,
+    anything else is staged; a
+    worker that offered none, or the worker itself, gets no IPC; a joiner's offer counts."""
+    published = {
+        "a": maps_to_record(
+            2,
+            {"b": {D("cuda:0"): D("cuda:1"), D("cuda:1"): D("cuda:0")}},
+            [],
+            {"cuda:0": "GPU-x", "cuda:1": "GPU-y"},
+        ),
+        "b": maps_to_record(2, {"a": {D("cuda:1"): D("cuda:0")}}, [], {"cuda:1": "GPU-x"}),
+        "c": maps_to_record(2, {}, []),
+    }
+    assert published["c"].get("gpus") is None  # nothing offered: the record is as before
+    plan_a = plan_devices("a", ["a", "b", "c"], published)
+    plan_b = plan_devices("b", ["a", "b", "c"], published)
+    a_to_b = plan_a.maps["b"]
+    assert plan_a.ipc_pairs("b", a_to_b) == {(D("cuda:0"), D("cuda:1"))}  # GPU-y is not b's
+    assert plan_b.ipc_pairs("a", plan_b.maps["a"]) == {(D("cuda:1"), D("cuda:0"))}
+    assert plan_b.ipc_pairs("a", plan_b.reverse["a"]) == {(D("cuda:1"), D("cuda:0"))}
+    assert plan_a.ipc_pairs("c", {D("cuda:0"): D("cuda:0")}) == frozenset()
+    assert plan_a.ipc_pairs("a", {D("cuda:0"): D("cuda:0")}) == frozenset()
+    assert plan_a.ipc_pairs("b", None) == frozenset()
+
+    class Recording(DeviceBackend):
+        calls: list[str] = []
+
+        def stage(self, tensor: torch.Tensor, target: torch.device) -> Any:
+            self.calls.append(f"stage {target}")
+            return super().stage(tensor, target)
+
+        def stage_shared(self, tensor: torch.Tensor, target: torch.device) -> Any:
+            self.calls.append(f"shared {target}")
+            return super().stage(tensor, target)
+
+    # the routing, with CPU tensors standing for a GPU (a plan that offers "cpu" as one)
+    plan = DevicePlan(gpus={"a": {D("cpu"): "GPU-x"}, "b": {D("cuda:1"): "GPU-x"}}, me="a")
+    backend = Recording()
+    big = torch.ones(CUDA_IPC_THRESHOLD // 4)
+    DeviceRouter("Request", "b", {D("cpu"): D("cuda:1")}, plan, backend)(big)
+    DeviceRouter("Request", "b", {D("cpu"): D("cuda:1")}, plan, backend)(big[:-1])  # too small
+    DeviceRouter("Request", "b", {D("cpu"): D("cuda:0")}, plan, backend)(big)
+    DeviceRouter("Request", "c", {D("cpu"): D("cuda:1")}, plan, backend)(big)
+    assert backend.calls == ["shared cuda:1", "stage cuda:1", "stage cuda:0", "stage cuda:1"]
 
 
 def test_route_messages_are_torchs() -> None:

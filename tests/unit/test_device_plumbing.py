@@ -17,6 +17,7 @@ import distgrad.rpc as rpc
 from distgrad._devices._backend import DeviceBackend, _note
 from distgrad._devices._maps import CPU_ONLY
 from distgrad._rpc._core._agent import current_agent
+from distgrad._rpc._core._functions import on_io_thread
 from distgrad._testing._world import open_world, world_options
 
 D = torch.device
@@ -28,6 +29,7 @@ class FakeCuda(DeviceBackend):
     name = "fake"
     lock = threading.Lock()
     arrived: list[tuple[str, str]] = []
+    threads: list[str] = []  # the thread that put each arrival on its device
 
     def device_count(self) -> int:
         return 2
@@ -36,6 +38,7 @@ class FakeCuda(DeviceBackend):
         agent = current_agent()
         with self.lock:
             self.arrived.append((agent.worker_info.name if agent else "?", str(device)))
+            self.threads.append(threading.current_thread().name)
         out = host.clone()
         _note(device, None, out)
         return out
@@ -43,9 +46,9 @@ class FakeCuda(DeviceBackend):
 
 @pytest.fixture
 def fake() -> Any:
-    FakeCuda.arrived = []
+    FakeCuda.arrived, FakeCuda.threads = [], []
     yield FakeCuda
-    FakeCuda.arrived = []
+    FakeCuda.arrived, FakeCuda.threads = [], []
 
 
 def _options(maps: dict[str, dict[str, str]]) -> rpc.TensorPipeRpcBackendOptions:
@@ -171,14 +174,19 @@ def test_no_map_errors_are_torchs_and_nothing_waits(fake: Any) -> None:
 
 
 def test_a_joiners_maps_are_validated_against_the_members(fake: Any) -> None:
-    """Dynamic groups: once a joiner is announced (it validated everyone's maps), a member's
-    responses to it use the inverse of the joiner's map and default devices are derived
-    again."""
+    """Dynamic groups: a joiner whose map names a device a member lacks (``cuda:7`` on
+    worker0, which has two) is refused with torch's ValueError and the members keep their
+    plans; a valid joiner is announced, and then a member's responses to it use the inverse of
+    the joiner's map and default devices are derived again."""
     with open_world(2, options=[_options({}), _options({})], dynamic=True) as world:
         agent0 = world.agents[0]
-        agent0.device_member_joined(
-            "late", {"count": 2, "maps": {"worker0": {"cpu": "cuda:1"}}, "devices": []}
-        )
+        before = agent0.device_plan
+        with pytest.raises(ValueError, match="invalid indices in its device map for worker0"):
+            world.join(name="bad", options=_options({"worker0": {"cpu": "cuda:7"}}))
+        assert agent0.device_plan == before
+        assert "bad" not in [w.name for w in agent0.get_worker_infos()]
+        world.kill(2)  # (the refused joiner's agent)
+        world.join(name="late", options=_options({"worker0": {"cpu": "cuda:1"}}))
         assert agent0.device_plan.reverse == {"late": {D("cuda:1"): D("cpu")}}
         assert agent0.device_plan.devices == [D("cuda:1")]
 
@@ -215,3 +223,123 @@ def test_staged_tensors_round_trip_through_the_pickler(fake: Any) -> None:
             assert ext == (None if make_ext is None else 3)
     finally:
         _backend.Process.backend = previous
+
+
+def test_distgrad_objects_survive_torchs_tensor_extraction() -> None:
+    """A device-aware future (``rpc_async`` with devices configured) pickles its result with
+    torch's ``_extract_tensors`` to find its tensors: an RRef or a RemoteModule in the result is
+    skipped there, as torch skips its own RRefs, and the tensors beside them are found; plain
+    pickling still refuses both with torch's messages (issue 29, item 2)."""
+    import pickle
+
+    from torch._jit_internal import _extract_tensors
+
+    from distgrad.nn import RemoteModule
+
+    def body(rank: int) -> Any:
+        if rank != 0:
+            return None
+        rref = rpc.remote("worker1", torch.add, (torch.ones(2), 1))
+        module = RemoteModule("worker1/cpu", torch.nn.Linear, (2, 2))
+        t = torch.ones(3)
+        found = _extract_tensors([rref, {"module": module, "t": t}, (rref, t)])
+        errors = []
+        for obj in (rref, module):
+            with pytest.raises(RuntimeError) as info:
+                pickle.dumps(obj)
+            errors.append(str(info.value))
+        return found, errors, rref.to_here()
+
+    with open_world(2) as world:
+        found, errors, value = world.run(body)[0]
+    assert (
+        len(found) == 2
+        and all(x is found[0] for x in found)
+        and torch.equal(found[0], torch.ones(3))
+    )
+    assert errors == [
+        "Can not pickle rref in python pickler, rref can only be pickled when using RPC",
+        "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when "
+        "using RPC",
+    ]
+    assert torch.equal(value, torch.full((2,), 2.0))
+
+
+NOTIFIED: list[tuple[str, float]] = []
+
+
+@on_io_thread  # as the late gradient messages: run where decoded, in the order sent
+def notify_with(x: torch.Tensor) -> None:
+    NOTIFIED.append((threading.current_thread().name, float(x.sum()) if x.numel() else -1.0))
+
+
+def test_device_tensors_in_one_way_messages_never_reach_the_device_on_the_io_thread(
+    fake: Any,
+) -> None:
+    """A one-way message (a gradient for a pass, say) with tensors for a device is decoded off
+    the I/O thread, whose copy to a GPU could wait for the GPU's backlog and silence the
+    heartbeats; messages that follow it, with or without tensors, keep their order
+    (issue 29, item 3)."""
+    from distgrad._rpc._core._agent import current_agent
+
+    NOTIFIED.clear()
+    opts = [_options({"worker1": BOTH_WAYS}), _options({"worker0": BOTH_WAYS})]
+    with open_world(2, options=opts) as world:
+
+        def program() -> Any:
+            w = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+            with dist_autograd.context() as ctx:
+                out = rpc.rpc_sync("worker1", torch.mul, (w, w))
+                dist_autograd.backward(ctx, [out.sum()])
+                grad = dist_autograd.get_gradients(ctx)[w]
+            agent = current_agent()
+            assert agent is not None
+            for i in range(20):  # alternate: with device tensors, without, in one order
+                x = torch.full((2,), float(i)) if i % 2 == 0 else torch.tensor([])
+                agent.notify(1, notify_with, (x,))
+            deadline = time.monotonic() + 10
+            while len(NOTIFIED) < 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return grad, w
+
+        grad, w = world.run_on(0, program)
+    assert torch.allclose(grad, 2 * w.detach())
+    assert fake.threads and "distgrad-io" not in fake.threads, fake.threads
+    assert [v for _, v in NOTIFIED] == [2.0 * i if i % 2 == 0 else -1.0 for i in range(20)]
+
+
+def _refuse_unpickling() -> None:
+    raise ValueError("this object cannot be rebuilt here")
+
+
+class Unbuildable:
+    def __reduce__(self) -> Any:
+        return (_refuse_unpickling, ())
+
+
+def tensor_then_unbuildable() -> Any:
+    return [torch.ones(3), Unbuildable()]
+
+
+def test_a_decode_that_fails_halfway_leaves_no_arrivals_behind(fake: Any) -> None:
+    """A response whose tensor reached a device before the rest failed to unpickle: the call
+    fails with the cause, and the thread's record of what arrived is cleared (the next
+    message's streams and tensors are its own) -- for ``rpc_sync`` and ``rpc_async``."""
+    from distgrad._devices._backend import state
+
+    opts = [_options({"worker1": BOTH_WAYS}), _options({})]
+    with open_world(2, options=opts) as world:
+
+        def program() -> Any:
+            with pytest.raises(Exception, match="cannot be rebuilt"):
+                rpc.rpc_sync("worker1", tensor_then_unbuildable)
+            after_sync = state.arrivals
+            with pytest.raises(Exception, match="cannot be rebuilt"):
+                rpc.rpc_async("worker1", tensor_then_unbuildable).wait()
+            back = rpc.rpc_sync("worker1", echo, (torch.ones(2),))
+            return after_sync, back
+
+        after_sync, back = world.run_on(0, program)
+    assert after_sync is None
+    assert ("worker0", "cuda:0") in fake.arrived  # the tensor did arrive before the failure
+    assert torch.equal(back, torch.ones(2))

@@ -22,6 +22,7 @@ from distgrad._wire._frames import (
     encode_frame,
     encode_frame_by_reference,
 )
+from tests._needs import needs
 
 BIG = 1 << 40
 
@@ -280,7 +281,7 @@ def by_reference(buffers: list[bytes], threshold: int, transfer: int = 5) -> tup
     return stream_of(pieces), kept
 
 
-@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+@needs(None if _memory_reads() else "needs Linux process_vm_readv")
 @pytest.mark.parametrize("chunks", [None, [1], [3, 17, 5000]])
 def test_by_reference_buffers_are_read_from_memory_not_the_stream(chunks: list[int] | None) -> None:
     """Large buffers stay behind (only their address travels) and the parser reads them; small
@@ -305,7 +306,7 @@ def test_by_reference_frame_without_a_reader_is_a_protocol_error() -> None:
         feed(FrameParser(BIG), data)
 
 
-@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+@needs(None if _memory_reads() else "needs Linux process_vm_readv")
 def test_by_reference_frame_at_an_unmapped_address_is_a_protocol_error() -> None:
     """An address the sender does not have mapped is a protocol error, not a crash."""
     data, _kept = by_reference([os.urandom(1000)], threshold=10)
@@ -330,3 +331,21 @@ def test_encoder_refuses_the_transport_flag() -> None:
     """The layer above cannot set the transport's own flag bit."""
     with pytest.raises(ValueError, match="reserved"):
         encode_frame(Kind.REQUEST, 1, b"", None, FLAG_BY_REFERENCE)
+
+
+@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+def test_buffers_the_reader_could_not_read_travel_inline() -> None:
+    """Large buffers that ``readable`` refuses (the sender's probe of memory the kernel will
+    not let the peer read, such as pinned CUDA host memory) travel inline; the others stay
+    behind; the parser rebuilds the same frame (issue 29, item 1)."""
+    small, pinned, heap = os.urandom(100), os.urandom(300_000), os.urandom(200_000)
+    buffers = [pickle.PickleBuffer(b) for b in (small, pinned, heap)]
+    refused = buffers[1].raw()
+    pieces, kept = encode_frame_by_reference(
+        Kind.REQUEST, 9, b"meta", buffers, 1, 5, 65_536, lambda v: v.obj is not refused.obj
+    )
+    assert [v.nbytes for v in kept] == [200_000]
+    data = stream_of(pieces)
+    assert 300_000 < len(data) < 302_000  # the refused buffer is in the stream, the other not
+    frames = feed(FrameParser(BIG, read_remote=read_own_memory), data, None)
+    assert_same(frames[0], Kind.REQUEST, 9, 1, b"meta", [small, pinned, heap])

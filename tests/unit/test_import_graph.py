@@ -11,7 +11,11 @@ other only through a small interface (a ``Protocol``, or a handler handed in by 
 An edge goes to the module an import names: ``from a.b import c`` is an edge to ``a.b.c`` when
 that is a module, else to ``a.b``; relative imports are resolved. Parent packages are not
 counted (Python initialises a package before its submodules; the private packages'
-``__init__`` files import nothing).
+``__init__`` files import nothing, except the front doors below).
+
+A package with a *front door* (:data:`FRONT_DOORS`) states in its ``__init__`` the surface the
+other layers use; modules outside it import those names from the package itself, never from
+the modules inside.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the package's __init__ re-exports patch_torch / patched; nothing imports it by name
     ("the package", ("distgrad",)),
 )
+
+
+#: Packages whose ``__init__`` is the one way in from outside them.
+FRONT_DOORS: tuple[str, ...] = ("distgrad._rpc._core",)
 
 
 def modules(src: Path, package: str) -> dict[str, tuple[Path, bool]]:
@@ -209,6 +217,20 @@ def layer_violations(graph: dict[str, dict[str, int]]) -> list[str]:
     return found
 
 
+def front_door_violations(
+    graph: dict[str, dict[str, int]], doors: tuple[str, ...] = FRONT_DOORS
+) -> list[str]:
+    """Imports from outside a front-door package of a module inside it."""
+    found = []
+    for name, imported in sorted(graph.items()):
+        for target, line in sorted(imported.items()):
+            for door in doors:
+                inside = name == door or name.startswith(door + ".")
+                if not inside and target.startswith(door + "."):
+                    found.append(f"{name} imports {target} at line {line}: import it from {door}")
+    return found
+
+
 GRAPH = import_graph(SRC, "distgrad")
 
 
@@ -241,6 +263,43 @@ def test_imports_run_down_the_layers() -> None:
     modules < cli < the switch < the package's __init__)."""
     found = layer_violations(GRAPH)
     assert not found, "imports against the layers:\n" + "\n".join(found)
+
+
+def test_other_layers_enter_the_core_by_its_front_door() -> None:
+    """Every module outside ``distgrad._rpc._core`` imports what it uses of the agent core
+    from ``distgrad._rpc._core`` (whose ``__init__`` names that surface), not from the modules
+    inside it."""
+    found = front_door_violations(GRAPH)
+    assert not found, "imports past a front door:\n" + "\n".join(found)
+    # (and the walk sees the door used: the RRefs layer imports the agent through it)
+    assert "distgrad._rpc._core" in GRAPH["distgrad._rpc._rrefs._rref"]
+
+
+def test_the_core_front_door_names_what_it_exports() -> None:
+    """The front door's ``__all__`` is exactly what it imports, and each name is there."""
+    import distgrad._rpc._core as core
+
+    tree = ast.parse((SRC / "distgrad/_rpc/_core/__init__.py").read_text())
+    imported = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported == set(core.__all__)
+    assert all(hasattr(core, name) for name in core.__all__)
+
+
+def test_a_front_door_violation_is_named() -> None:
+    """The checker itself: a module outside a front-door package importing one of its inner
+    modules is reported; the package's own modules and imports of the package are not."""
+    graph = {
+        "pkg.user": {"pkg.core._inner": 3, "pkg.core": 4},
+        "pkg.core": {"pkg.core._inner": 1},
+        "pkg.core._other": {"pkg.core._inner": 2},
+    }
+    (violation,) = front_door_violations(graph, ("pkg.core",))
+    assert violation.startswith("pkg.user imports pkg.core._inner at line 3")
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -12,8 +12,9 @@ import pytest
 
 from distgrad._transport import _memory
 from distgrad._wire._frames import buffer_address
+from tests._needs import needs
 
-pytestmark = pytest.mark.skipif(not _memory.available(), reason="needs Linux process_vm_readv")
+pytestmark = needs(None if _memory.available() else "needs Linux process_vm_readv")
 
 
 def test_read_memory_copies_a_range_of_the_process() -> None:
@@ -112,3 +113,29 @@ def test_a_sender_that_died_is_a_peer_failure_not_a_protocol_error() -> None:
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_readable_tells_memory_the_kernel_can_read_from_memory_it_cannot() -> None:
+    """The sender's probe of the memory it is about to send by reference: ordinary memory is
+    readable; a range whose first page, or only its last page, the kernel refuses (here
+    ``PROT_NONE``; pinned CUDA memory that a driver maps for I/O fails the same way, EFAULT)
+    is not, so the buffer goes through the socket instead of failing the receiver's read."""
+    assert _memory.readable(memoryview(bytearray(os.urandom(5 << 20))))
+    assert not _memory.readable(memoryview(bytearray()))
+    size = 32 * 1024 * 1024
+    region = mmap.mmap(-1, size)
+    view = memoryview(region)
+    address = buffer_address(view)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    try:
+        assert _memory.readable(view)
+        for start, length in ((0, 4096), (size - 4096, 4096), (size // 2, 4096)):
+            assert libc.mprotect(address + start, length, 0) == 0  # PROT_NONE
+            assert not _memory.readable(view), (start, length)
+            assert libc.mprotect(address + start, length, rw) == 0
+        assert _memory.readable(view)
+    finally:
+        view.release()
+        region.close()

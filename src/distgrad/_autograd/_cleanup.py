@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._rpc._core import _profiling
-from .._rpc._core._agent import bind_thread, current_agent
-from .._rpc._core._functions import after_current_task
+from .._rpc._core import after_current_task, bind_thread, current_agent
+from .._rpc._core import profiling as _profiling
 from ._context import _ID_BITS, CONTAINER, DistAutogradContext
 from ._pass import BackwardError
 
 if TYPE_CHECKING:
-    from .._rpc._core._agent import RpcAgent
+    from .._rpc._core import RpcAgent
 
 __all__ = ["after_release", "release_orphans"]
 

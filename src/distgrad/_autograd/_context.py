@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from types import TracebackType
 
-from .._rpc._core._agent import thread_binding
+from .._rpc._core import thread_binding
 from ._context_state import DistAutogradContext
 
 __all__ = [

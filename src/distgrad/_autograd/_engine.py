@@ -48,8 +48,7 @@ from typing import Any
 import torch
 
 from .._errors import RpcTimeoutError, rpc_timeout_message
-from .._rpc._core._agent import current_agent
-from .._rpc._core._functions import async_execution, on_io_thread
+from .._rpc._core import async_execution, current_agent, on_io_thread
 from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
 from ._grad_messages import BackwardError, GradMessage, GradUpdate, PassMessages

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from .._rpc._core._layer import LayerAgent
+from .._rpc._core import LayerAgent
 from . import _cleanup, _engine
 from ._context import CONTAINER
 from ._recording import AutogradRecording

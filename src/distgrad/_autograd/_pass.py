@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .._rpc._core import _profiling
-from .._rpc._core._agent import current_agent
-from .._rpc._core._calls import set_future_error
+from .._rpc._core import current_agent, set_future_error
+from .._rpc._core import profiling as _profiling
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .._rpc._core._layer import CallRecord, RpcLayer
+from .._rpc._core import CallRecord, RpcLayer
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import SendRecord, attach_recv, attach_send
 

@@ -86,6 +86,31 @@ class DeviceBackend:
         """How many CUDA devices this worker has (published at init for the validation)."""
         return torch.cuda.device_count()
 
+    def gpu_ids(self, devices: list[torch.device]) -> dict[str, str]:
+        """The UUID of each of ``devices`` (CUDA devices this worker may exchange by CUDA IPC
+        with a worker on the same GPU); none where CUDA is not available."""
+        if not devices or not torch.cuda.is_available():
+            return {}
+        found = {}
+        for device in devices:
+            if device.index is None or device.index >= torch.cuda.device_count():
+                continue
+            uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+            if uuid is not None:
+                found[str(device)] = str(uuid)
+        return found
+
+    def stage_shared(self, tensor: torch.Tensor, target: torch.device) -> Any:
+        """:meth:`stage` for a peer that has ``tensor``'s GPU as ``target`` (same host, same
+        physical device): the CUDA backend shares a copy of it by CUDA IPC instead of staging
+        it through host memory."""
+        return self.stage(tensor, target)
+
+    def arrive_shared(self, rebuild: Any, args: tuple[Any, ...], device: torch.device) -> Any:
+        """A tensor shared by :meth:`stage_shared`: a copy on ``device`` (noted in
+        :data:`state`)."""
+        raise RuntimeError("received a CUDA tensor by IPC on a worker without CUDA")
+
     def stage(self, tensor: torch.Tensor, target: torch.device) -> Any:
         """The reduction that sends ``tensor`` to land on ``target``: its bytes on the host
         (final when this returns: nothing later may change what is sent) and the target."""
@@ -149,6 +174,18 @@ def _arrive(host: torch.Tensor, device: str, requires_grad: bool) -> torch.Tenso
         return host.requires_grad_() if requires_grad else host
     Process.seen = True
     out = receiver().arrive(host, torch.device(device))
+    if requires_grad:
+        out.requires_grad_()
+    return out
+
+
+def _arrive_shared(
+    rebuild: Any, args: tuple[Any, ...], device: str, requires_grad: bool
+) -> torch.Tensor:
+    """Unpickling side of a tensor shared by CUDA IPC: a copy of it on ``device`` (this
+    process's backend), as a leaf that requires grad if the sent tensor did."""
+    Process.seen = True
+    out: torch.Tensor = receiver().arrive_shared(rebuild, args, torch.device(device))
     if requires_grad:
         out.requires_grad_()
     return out

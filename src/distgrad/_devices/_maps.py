@@ -18,9 +18,11 @@ __all__ = [
     "CPU_ONLY",
     "DeviceLike",
     "DeviceMap",
+    "DevicePair",
     "DevicePlan",
     "check_one_to_one",
     "default_devices",
+    "gpus_from_record",
     "maps_from_record",
     "maps_to_record",
     "plan_devices",
@@ -185,14 +187,27 @@ def default_devices(
 
 
 def maps_to_record(
-    count: int, maps: Mapping[str, DeviceMap], devices: Sequence[torch.device]
+    count: int,
+    maps: Mapping[str, DeviceMap],
+    devices: Sequence[torch.device],
+    gpus: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What a worker publishes of its devices at init (plain JSON)."""
-    return {
+    """What a worker publishes of its devices at init (plain JSON); ``gpus``: the UUID of
+    each CUDA device it may exchange by IPC (``{"cuda:0": "GPU-..."}``), if any."""
+    record: dict[str, Any] = {
         "count": count,
         "maps": {to: {str(k): str(v) for k, v in m.items()} for to, m in maps.items()},
         "devices": [str(d) for d in devices],
     }
+    if gpus:
+        record["gpus"] = dict(gpus)
+    return record
+
+
+def gpus_from_record(record: Mapping[str, Any] | None) -> dict[torch.device, str]:
+    """The ``{device: GPU UUID}`` a record offers for CUDA IPC (none: an empty dict)."""
+    gpus = (record or {}).get("gpus") or {}
+    return {torch.device(d): str(uuid) for d, uuid in gpus.items() if uuid}
 
 
 def maps_from_record(
@@ -209,6 +224,9 @@ def maps_from_record(
     return int(record.get("count", 0)), maps, [torch.device(d) for d in record.get("devices", [])]
 
 
+DevicePair = tuple[torch.device, torch.device]
+
+
 @dataclass
 class DevicePlan:
     """One worker's device maps after init: requests to a peer use ``maps[peer]``, responses
@@ -218,6 +236,21 @@ class DevicePlan:
     maps: dict[str, DeviceMap] = field(default_factory=dict)
     reverse: dict[str, DeviceMap] = field(default_factory=dict)
     devices: list[torch.device] = field(default_factory=list)
+    #: every member's ``{device: GPU UUID}`` offered for CUDA IPC (this worker's under ``me``)
+    gpus: dict[str, dict[torch.device, str]] = field(default_factory=dict)
+    me: str = ""
+
+    def ipc_pairs(self, peer: str, device_map: DeviceMap | None) -> frozenset[DevicePair]:
+        """The ``(source, target)`` entries of ``device_map`` (a message to ``peer``) whose two
+        ends are one physical GPU that both workers offered: those tensors go by CUDA IPC."""
+        mine, theirs = self.gpus.get(self.me), self.gpus.get(peer)
+        if not device_map or not mine or not theirs or peer == self.me:
+            return frozenset()
+        return frozenset(
+            (source, target)
+            for source, target in device_map.items()
+            if source in mine and mine[source] == theirs.get(target)
+        )
 
     @property
     def used(self) -> bool:
@@ -271,4 +304,11 @@ def plan_devices(
         counts[name], maps[name], devices[name] = maps_from_record(records.get(name))
     validate_device_maps(names, counts, maps, devices, is_static_group=is_static_group)
     reverse = reverse_maps(me, names, maps)
-    return DevicePlan(maps[me], reverse, default_devices(devices[me], maps[me], reverse))
+    gpus = {name: gpus_from_record(records.get(name)) for name in names}
+    return DevicePlan(
+        maps[me],
+        reverse,
+        default_devices(devices[me], maps[me], reverse),
+        {name: found for name, found in gpus.items() if found},
+        me,
+    )

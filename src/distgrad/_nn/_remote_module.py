@@ -22,10 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .._rpc._api import get_worker_info, remote, rpc_async, rpc_sync
-from .._rpc._core._agent import current_agent, require_agent
-from .._rpc._core._torchscript import rref_limit
+from .._rpc._core import current_agent, require_agent, rref_limit
 from .._rpc._rrefs._rref import RRef
-from .._wire._pickler import register_reducer
+from .._wire._pickler import SKIPPED, extracting_tensors, register_reducer
 from ._remote_device import parse_remote_device
 
 __all__ = ["RemoteModule"]
@@ -391,6 +390,11 @@ class RemoteModule(nn.Module):
         )
 
     # -- pickling ----------------------------------------------------------------------------------
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if extracting_tensors():  # a device-aware future looking for tensors: none here
+            return SKIPPED
+        return super().__reduce_ex__(protocol)
+
     def __getstate__(self) -> NoReturn:
         raise RuntimeError(
             "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "

@@ -23,7 +23,7 @@ import torch
 from .._autograd._context import CONTAINER
 from .._autograd._hooks import GRAD_LOCK
 from .._rpc._api import rpc_async
-from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._core import WorkerInfo
 from .._rpc._rrefs._rref import RRef
 
 __all__ = ["DistributedOptimizer"]

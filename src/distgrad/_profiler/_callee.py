@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch.autograd import profiler_legacy
 
-from .._rpc._core._agent import current_agent
-from .._rpc._core._calls import check_async_result, is_builtin, set_future_error
+from .._rpc._core import check_async_result, current_agent, is_builtin, set_future_error
 from . import _server
 from ._records import CallRecord, Event, RemoteProfile, Session, pop, push
 

@@ -12,10 +12,8 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _torch_profiler
 
-from .._rpc._core import _profiling
-from .._rpc._core._calls import set_future_error
-from .._rpc._core._profiling import KeyScope
-from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._core import KeyScope, WorkerInfo, set_future_error
+from .._rpc._core import profiling as _profiling
 from ._clock import OFFSETS
 from ._keys import RPCExecMode, build_rpc_profiling_key, func_name
 from ._records import CallRecord, RemoteProfile, Session, current_session

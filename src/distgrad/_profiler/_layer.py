@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .._rpc._core._layer import KeyScope, LayerAgent, RpcLayer, register_layer
-from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._core import KeyScope, LayerAgent, RpcLayer, WorkerInfo, register_layer
 from . import _callee, _caller, _torch_hooks
 from ._keys import build_rpc_profiling_key, func_name
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._rpc._core._agent import current_agent
+from .._rpc._core import current_agent
 from ._clock import OFFSETS
 from ._torch_hooks import install, session_of, time_base_ns
 from ._trace import build_trace, write_trace

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.autograd import profiler_legacy, profiler_util
 
-from .._rpc._core import _profiling
+from .._rpc._core import profiling as _profiling
 
 __all__ = ["_server_process_global_profile", "add_records"]
 

@@ -35,7 +35,7 @@ import torch
 from torch.autograd import profiler as autograd_profiler
 from torch.autograd import profiler_legacy, profiler_util
 
-from .._rpc._core._agent import current_agent
+from .._rpc._core import current_agent
 from ._records import Event, Session, pop, push
 
 __all__ = ["install", "session_of", "time_base_ns"]

@@ -7,12 +7,10 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from .._errors import HandshakeError
-from .._wire._frames import Frame
 from ._base import TransportConfig
-from ._connection import Connection
+from ._connection import Connection, ConnectionOwner
 from ._dialing import _tune
 from ._handshake import server_accept, tls_server_handshake, wait_readable
 from ._io import IoThread
@@ -27,29 +25,48 @@ _ACCEPTS_PER_WAKEUP = 512
 
 
 class Accepting:
-    """:class:`~._transport.SocketTransport`'s accepting of connections (a mixin)."""
+    """:class:`~._transport.SocketTransport`'s accepting of connections: a stage the transport
+    makes and hands what it uses. It owns the pending handshakes and counts the connections
+    it accepted (:attr:`accepted`) and the handshakes that failed (:attr:`failed_handshakes`);
+    once :attr:`closing` is set it accepts nothing more."""
 
-    config: TransportConfig
-    _io: IoThread
-    _label: Callable[[int], str]
-    _conns: set[Connection]
-    _handshakes: set[asyncio.Task[None]]
-    _silent: dict[asyncio.Task[None], socket.socket]
-    _shed: set[asyncio.Task[None]]
-    _closing: bool
-    _accepted: int
-    _failed_handshakes: int
+    def __init__(
+        self,
+        config: TransportConfig,
+        io: IoThread,
+        owner: ConnectionOwner,
+        *,
+        label: Callable[[int], str],
+        note_incarnation: Callable[[int, int], bool],
+        conns: set[Connection],
+    ) -> None:
+        self._config = config
+        self._io = io
+        #: what the connections accepted here report to (the transport)
+        self._owner = owner
+        #: how a peer is named in errors
+        self._label = label
+        #: records the incarnation a peer presented; False for a replaced one
+        self._note_incarnation = note_incarnation
+        #: the transport's open connections: those accepted here join them
+        self._conns = conns
+        self.handshakes: set[asyncio.Task[None]] = set()
+        # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
+        # ended to make room for a connection that had (see on_accept)
+        self._silent: dict[asyncio.Task[None], socket.socket] = {}
+        self._shed: set[asyncio.Task[None]] = set()
+        #: set when the transport closes: nothing more is accepted
+        self.closing = False
+        self.accepted = 0
+        self.failed_handshakes = 0
 
-    if TYPE_CHECKING:  # (SocketTransport's)
-
-        def note_incarnation(self, rank: int, incarnation: int) -> bool: ...
-
-        def on_frame(self, conn: Connection, frame: Frame) -> None: ...
-
-        def on_closed(self, conn: Connection, error: Exception | None) -> None: ...
+    def cancel_handshakes(self) -> None:
+        """End every pending handshake (the transport stops listening; I/O thread)."""
+        for task in list(self.handshakes):
+            task.cancel()
 
     # -- incoming --------------------------------------------------------------------------------
-    def _on_accept(self, listener: socket.socket) -> None:
+    def on_accept(self, listener: socket.socket) -> None:
         for _ in range(_ACCEPTS_PER_WAKEUP):
             try:
                 sock, _addr = listener.accept()
@@ -58,14 +75,14 @@ class Accepting:
             except OSError as exc:
                 _log.warning("accept failed: %s", exc)
                 return
-            if self._closing:
+            if self.closing:
                 sock.close()
                 continue
             sock.setblocking(False)
             # Every handshake slot taken: a connection whose first bytes have arrived takes the
             # slot of the oldest one that has said nothing yet (so a flood of silent
             # connections cannot keep peers out); any other is closed at once.
-            if len(self._handshakes) >= _MAX_PENDING_HANDSHAKES and not (
+            if len(self.handshakes) >= _MAX_PENDING_HANDSHAKES and not (
                 _has_spoken(sock) and self._shed_silent()
             ):
                 sock.close()
@@ -75,9 +92,9 @@ class Accepting:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _tune(sock)
             task = self._io.loop.create_task(self._handshake(sock, is_tcp))
-            self._handshakes.add(task)
+            self.handshakes.add(task)
             self._silent[task] = sock
-            task.add_done_callback(self._handshakes.discard)
+            task.add_done_callback(self.handshakes.discard)
 
     def _shed_silent(self) -> bool:
         """End the oldest pending handshake whose peer has sent nothing (its task sees EOF
@@ -95,7 +112,7 @@ class Accepting:
         return False
 
     async def _handshake(self, sock: socket.socket, is_tcp: bool) -> None:
-        cfg = self.config
+        cfg = self._config
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -129,18 +146,20 @@ class Accepting:
                 left,
             )
         except (HandshakeError, OSError, asyncio.TimeoutError) as exc:
-            self._failed_handshakes += 1
+            self.failed_handshakes += 1
             reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc)
             _log.warning("rejected a connection from %s: handshake %s", peer, reason)
             sock.close()
             return
-        if self._closing or not self.note_incarnation(rank, incarnation):
+        if self.closing or not self._note_incarnation(rank, incarnation):
             sock.close()  # (a replaced incarnation: nothing of it is delivered)
             return
-        conn = Connection(self, self._io, sock, rank, self._label(rank), cfg.max_message_size)
+        conn = Connection(
+            self._owner, self._io, sock, rank, self._label(rank), cfg.max_message_size
+        )
         conn.incarnation = incarnation
         self._conns.add(conn)
-        self._accepted += 1
+        self.accepted += 1
         conn.start()
 
 

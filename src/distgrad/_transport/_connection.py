@@ -230,10 +230,11 @@ class Connection:
         *,
         info: MessageInfo | None = None,
     ) -> None:
-        """Write one frame; large buffers go by reference where the peer reads our memory.
+        """Write one frame; large buffers go by reference where the peer reads our memory --
+        those the kernel lets it read (pinned CUDA host memory may not be: it goes inline).
         (``info`` is for transports that choose frames by meaning; unused here.)"""
-        if not (self._by_reference and buffers) or all(
-            b.raw().nbytes < CROSS_MEMORY_THRESHOLD for b in buffers
+        if not (self._by_reference and buffers) or not any(
+            b.raw().nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(b.raw()) for b in buffers
         ):
             self.send(encode_frame(kind, message_id, meta, buffers, flags))
             return
@@ -241,7 +242,14 @@ class Connection:
             transfer = self._transfers
             self._transfers += 1
         pieces, kept = encode_frame_by_reference(
-            kind, message_id, meta, buffers, flags, transfer, CROSS_MEMORY_THRESHOLD
+            kind,
+            message_id,
+            meta,
+            buffers,
+            flags,
+            transfer,
+            CROSS_MEMORY_THRESHOLD,
+            _memory.readable,
         )
         with self._lock:
             self._pinned[transfer] = kept

@@ -7,13 +7,11 @@ import errno
 import socket
 import ssl
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 from .._errors import DistgradError, HandshakeError, PeerFailureError
-from .._wire._frames import Frame
 from ._base import PeerAddress, TransportConfig
-from ._connection import Connection
+from ._connection import Connection, ConnectionOwner
 from ._handshake import PeerClosedHandshake, client_handshake
 from ._io import IoThread
 from ._suspicion import PeerVerdicts
@@ -35,24 +33,38 @@ _HANDSHAKE_RETRY_DELAYS = (0.1, 0.25, 0.5, 1.0)
 
 
 class Dialing:
-    """:class:`~._transport.SocketTransport`'s connecting to its peers (a mixin)."""
+    """:class:`~._transport.SocketTransport`'s connecting to its peers: a stage the transport
+    makes and hands what it uses; it counts the connections it opened (:attr:`opened`)."""
 
-    config: TransportConfig
-    host_id: str
-    _io: IoThread
-    _label: Callable[[int], str]
-    _peers: dict[int, PeerAddress]
-    _conns: set[Connection]
-    _verdicts: PeerVerdicts
-    _opened: int
-
-    if TYPE_CHECKING:  # (SocketTransport's)
-
-        def note_incarnation(self, rank: int, incarnation: int) -> bool: ...
-
-        def on_frame(self, conn: Connection, frame: Frame) -> None: ...
-
-        def on_closed(self, conn: Connection, error: Exception | None) -> None: ...
+    def __init__(
+        self,
+        config: TransportConfig,
+        io: IoThread,
+        owner: ConnectionOwner,
+        *,
+        label: Callable[[int], str],
+        note_incarnation: Callable[[int, int], bool],
+        peers: Mapping[int, PeerAddress],
+        conns: set[Connection],
+        verdicts: PeerVerdicts,
+        host_id: str,
+    ) -> None:
+        self._config = config
+        self._io = io
+        #: what the connections opened here report to (the transport)
+        self._owner = owner
+        #: how a peer is named in errors
+        self._label = label
+        #: records the incarnation a peer presented; False for a replaced one
+        self._note_incarnation = note_incarnation
+        #: where the peers listen (the transport's, kept up to date there)
+        self._peers = peers
+        #: the transport's open connections: those opened here join them
+        self._conns = conns
+        self._verdicts = verdicts
+        self._host_id = host_id
+        #: connections opened so far
+        self.opened = 0
 
     def _dial(self, addr: PeerAddress, local: bool, timeout: float) -> tuple[socket.socket, bool]:
         """Connect, retrying errors that say nothing about the peer being gone; return the
@@ -90,13 +102,13 @@ class Dialing:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _open(self, rank: int) -> Connection:
+    def open(self, rank: int) -> Connection:
         addr = self._peers.get(rank)
         label = self._label(rank)
         if addr is None:
             raise PeerFailureError(f"no address known for {label}", label)
-        cfg = self.config
-        local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self.host_id
+        cfg = self._config
+        local = cfg.use_unix_sockets and addr.unix is not None and addr.host_id == self._host_id
         # a suspected peer may be frozen or cut off: do not wait longer than its silence took
         suspected = self._verdicts.is_suspected(rank)
         connect_timeout = cfg.connect_timeout
@@ -133,14 +145,14 @@ class Dialing:
                     # (a frozen peer: its kernel accepts the connection, the process is silent)
                     self._verdicts.reconnect_failed(rank, failure)
                 raise failure from exc
-        if not self.note_incarnation(rank, incarnation):
+        if not self._note_incarnation(rank, incarnation):
             sock.close()
             raise PeerFailureError(f"{label} answered as an incarnation that was replaced", label)
         self._verdicts.answered(rank)  # back: it answered a fresh handshake
-        conn = Connection(self, self._io, sock, rank, label, cfg.max_message_size)
+        conn = Connection(self._owner, self._io, sock, rank, label, cfg.max_message_size)
         conn.incarnation = incarnation
         self._conns.add(conn)
-        self._opened += 1
+        self.opened += 1
         self._io.call_soon(conn.start)
         return conn
 

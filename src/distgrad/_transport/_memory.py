@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .._config import ENV_CROSS_MEMORY, env_flag
 from .._wire._frames import buffer_address
 
-__all__ = ["MemoryProbe", "available", "peer_pid", "read_memory"]
+__all__ = ["MemoryProbe", "available", "peer_pid", "read_memory", "readable"]
 
 _PROBE_BYTES = 16
 _PROBE = struct.Struct(f"<Q{_PROBE_BYTES}s")
@@ -102,6 +102,29 @@ def read_memory(pid: int, address: int, into: memoryview) -> None:
     _read_range(pid, address, local_base, total)
 
 
+def readable(view: memoryview) -> bool:
+    """Whether the kernel lets ``process_vm_readv`` read the memory behind ``view`` (tried on
+    this process itself, a byte every :data:`_PROBE_STRIDE` and the last one: one system call).
+
+    Memory that a driver maps for I/O -- CUDA's pinned host memory with some NVIDIA drivers, a
+    device's registers -- can be read by the process that maps it but not through the
+    kernel's cross-memory path (``EFAULT``): such a buffer must travel through the socket.
+    The handshake's probe tests ordinary heap memory only, so the sender asks again for the
+    memory it is about to send by reference (issue 29, item 1)."""
+    if _readv is None or view.nbytes == 0:
+        return False
+    base = buffer_address(view)
+    offsets = list(range(0, view.nbytes, _PROBE_STRIDE))[:_PROBE_POINTS]
+    offsets.append(view.nbytes - 1)
+    count = len(offsets)
+    scratch = ctypes.create_string_buffer(count)
+    local = (_IoVec * count)(*(_IoVec(ctypes.addressof(scratch) + i, 1) for i in range(count)))
+    remote = (_IoVec * count)(*(_IoVec(base + offset, 1) for offset in offsets))
+    return bool(_readv(os.getpid(), local, count, remote, count, 0) == count)
+
+
+_PROBE_STRIDE = 16 * 1024 * 1024
+_PROBE_POINTS = 63
 _PARALLEL_THRESHOLD = 8 * 1024 * 1024
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _copier: ThreadPoolExecutor | None = None

@@ -1,6 +1,7 @@
 """The transport: listeners, connections to every peer, heartbeats and peer-failure detection.
-(Dialing a peer is ``_dialing``'s, accepting connections ``_accepting``'s, the connection to
-the worker itself ``_loopback``'s.)
+(Dialing a peer is the ``_dialing`` stage's, accepting connections the ``_accepting``
+stage's -- objects the transport makes and owns --, the connection to the worker itself
+``_loopback``'s.)
 
 Each worker listens on TCP (for other hosts) and on an abstract Unix-domain socket (for
 workers on the same host and network namespace, which is faster). A worker opens its own
@@ -76,7 +77,7 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}/{netns}"
 
 
-class SocketTransport(Accepting, Dialing):
+class SocketTransport:
     """Connections to the peers of one worker over sockets; owned and closed by the RPC agent
     (the real implementation of the contract in ``_base``)."""
 
@@ -102,16 +103,34 @@ class SocketTransport(Accepting, Dialing):
         self._verdicts = PeerVerdicts(peer_label, fail_stop=config.fail_stop)
         self._judge = HeartbeatJudge(config)
         self._listeners: list[socket.socket] = []
-        self._handshakes: set[asyncio.Task[None]] = set()
-        # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
-        # ended to make room for a connection that had (see _on_accept)
-        self._silent: dict[asyncio.Task[None], socket.socket] = {}
-        self._shed: set[asyncio.Task[None]] = set()
         self._heartbeat: asyncio.TimerHandle | None = None
         self._closing = False
-        self._accepted = self._opened = self._failed_handshakes = self._protocol_errors = 0
+        self._protocol_errors = 0
         self._bytes_read_directly = 0
         self.host_id = host_identity()
+        # the stages: connections in (accepting) and out (dialing)
+        self._accepting = Accepting(
+            config,
+            io,
+            self,
+            label=self._peer_label,
+            note_incarnation=self.note_incarnation,
+            conns=self._conns,
+        )
+        self._dialing = Dialing(
+            config,
+            io,
+            self,
+            label=self._peer_label,
+            note_incarnation=self.note_incarnation,
+            peers=self._peers,
+            conns=self._conns,
+            verdicts=self._verdicts,
+            host_id=self.host_id,
+        )
+
+    def _peer_label(self, rank: int) -> str:
+        return self._label(rank)
 
     # -- setup -----------------------------------------------------------------------------------
     def listen(self, host: str) -> PeerAddress:
@@ -142,11 +161,12 @@ class SocketTransport(Accepting, Dialing):
     async def _start_listening(self) -> None:
         loop = asyncio.get_running_loop()
         for listener in self._listeners:
-            loop.add_reader(listener.fileno(), self._on_accept, listener)
+            loop.add_reader(listener.fileno(), self._accepting.on_accept, listener)
         self._heartbeat = loop.call_later(self._judge.scheduled(time.monotonic()), self._beat)
 
     def set_peers(self, peers: Mapping[int, PeerAddress]) -> None:
-        self._peers = dict(peers)
+        self._peers.clear()  # (in place: the dialing stage reads the same mapping)
+        self._peers.update(peers)
         for rank, address in peers.items():
             self._verdicts.know_incarnation(rank, address.incarnation)
 
@@ -223,7 +243,7 @@ class SocketTransport(Accepting, Dialing):
             if rank == self.config.rank:
                 conn = LoopbackConnection(self.deliver, rank, self._label(rank))
             else:
-                conn = self._open(rank)
+                conn = self._dialing.open(rank)
             self._out[rank] = conn
             return conn
 
@@ -296,6 +316,7 @@ class SocketTransport(Accepting, Dialing):
         if self._closing:
             return
         self._closing = True
+        self._accepting.closing = True
         try:
             self._io.run(self._stop_listening(), timeout=5.0)
         except Exception:  # loop already gone
@@ -320,8 +341,7 @@ class SocketTransport(Accepting, Dialing):
         for listener in self._listeners:
             loop.remove_reader(listener.fileno())
             listener.close()
-        for task in list(self._handshakes):
-            task.cancel()
+        self._accepting.cancel_handshakes()
 
     def sever(self, rank: int) -> None:
         """Close every connection with ``rank`` abruptly (fault injection): no goodbye, so
@@ -335,9 +355,9 @@ class SocketTransport(Accepting, Dialing):
     def statistics(self) -> TransportStatistics:
         return TransportStatistics(
             open_connections=sum(1 for c in self._conns if not c.closed),
-            connections_accepted=self._accepted,
-            connections_opened=self._opened,
-            handshakes_failed=self._failed_handshakes,
+            connections_accepted=self._accepting.accepted,
+            connections_opened=self._dialing.opened,
+            handshakes_failed=self._accepting.failed_handshakes,
             protocol_errors=self._protocol_errors,
             dead_peers=self._verdicts.dead_peers(),
             bytes_read_directly=self._bytes_read_directly

@@ -117,17 +117,20 @@ def encode_frame_by_reference(
     flags: int,
     transfer: int,
     threshold: int,
+    readable: Callable[[memoryview], bool] | None = None,
 ) -> tuple[list[bytes | memoryview], list[memoryview]]:
-    """The pieces for a frame whose buffers of at least ``threshold`` bytes stay behind, and
-    those buffers (to keep alive and unchanged until the receiver releases ``transfer``)."""
+    """The pieces for a frame whose buffers of at least ``threshold`` bytes stay behind (those
+    that ``readable`` accepts, where given), and those buffers (to keep alive and unchanged
+    until the receiver releases ``transfer``)."""
     views = [b.raw() for b in buffers]
     if len(views) > MAX_BUFFERS:
         raise ProtocolError(f"a message may carry at most {MAX_BUFFERS} tensors, got {len(views)}")
-    kept = [v for v in views if v.nbytes >= threshold]
-    addresses = [buffer_address(v) if v.nbytes >= threshold else 0 for v in views]
+    far = [v.nbytes >= threshold and (readable is None or readable(v)) for v in views]
+    kept = [v for v, away in zip(views, far, strict=True) if away]
+    addresses = [buffer_address(v) if away else 0 for v, away in zip(views, far, strict=True)]
     head = HEADER.pack(kind, flags | FLAG_BY_REFERENCE, len(views), len(meta), message_id)
     table = struct.pack(f"<{2 * len(views) + 1}Q", *(v.nbytes for v in views), transfer, *addresses)
-    return [head + table + meta, *(v for v in views if v.nbytes < threshold)], kept
+    return [head + table + meta, *(v for v, away in zip(views, far, strict=True) if not away)], kept
 
 
 def buffer_address(view: memoryview) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable
@@ -41,6 +42,18 @@ from typing import Any, TypeVar
 import torch
 
 from ._buffers import allocate_buffer
+from ._choice import (
+    OWN_REDUCERS,
+    ChosenPicklers,
+    current_guard,
+    current_pickler,
+    restricted_loads,
+    set_guard,
+    set_pickler,
+)
+from ._choice import (
+    state as choice,
+)
 from ._reducers import (
     DeviceCheck,
     _policy,
@@ -55,16 +68,55 @@ __all__ = [
     "HAS_TABLE",
     "Encoded",
     "allocate_buffer",
+    "current_guard",
+    "current_pickler",
     "decode",
     "deserialize_with_table",
     "dumps",
     "encode",
+    "extracting_tensors",
     "loads",
     "register_reducer",
+    "restricted_loads",
     "serialize_with_table",
+    "set_guard",
+    "set_pickler",
 ]
 
 _FUTURE_TYPES: tuple[type, ...] = (torch.futures.Future, torch._C.Future)
+
+
+def _skipped() -> None:
+    """What a value torch's tensor extraction skipped stands for (never unpickled)."""
+
+
+#: the reduction of an object that :func:`extracting_tensors` says need not be pickled
+SKIPPED: tuple[Any, ...] = (_skipped, ())
+
+
+def extracting_tensors() -> bool:
+    """Whether the object whose ``__reduce__`` (or ``__getstate__``) calls this is being
+    pickled by torch's ``_extract_tensors``: a device-aware ``torch.futures.Future``
+    completing (``rpc_async``, ``then()`` with devices configured) pickles its value with a
+    plain pickler only to find the tensors in it, and skips torch's own RRefs. distgrad's
+    RRef and RemoteModule refuse plain pickling, so they return :data:`SKIPPED` there instead:
+    they hold no tensor that the future must synchronise (issue 29, item 2)."""
+    code = _extract_tensors_code()
+    frame: types.FrameType | None = sys._getframe(
+        2
+    )  # the pickler is C code: its caller's frame is the next one
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _extract_tensors_code() -> Any:
+    extract = getattr(torch._jit_internal, "_extract_tensors", None)
+    return getattr(extract, "__code__", None)
 
 
 def _table_ref(index: int) -> torch.Tensor:
@@ -96,13 +148,23 @@ for _future_type in (torch.futures.Future, torch._C.Future):
     _ROUTED_DISPATCH[_future_type] = _reduce_future
 
 
+# distgrad's own entries of each table (without copyreg's): layered over a chosen pickler's
+for _name, _table in (
+    ("payload", _PAYLOAD_DISPATCH),
+    ("table", _TABLE_DISPATCH),
+    ("routed", _ROUTED_DISPATCH),
+):
+    OWN_REDUCERS[_name].update(
+        (k, v) for k, v in _table.items() if copyreg.dispatch_table.get(k) is not v
+    )
+
+
 def register_reducer(kind: type, reducer: Callable[[Any], Any]) -> None:
     """Pickle objects of exactly ``kind`` with ``reducer`` in messages (and only there: a
     layer above uses this for objects that may cross the wire but must not be pickled
     elsewhere, such as RRefs, whose pickling forks a reference)."""
-    _PAYLOAD_DISPATCH[kind] = reducer
-    _TABLE_DISPATCH[kind] = reducer
-    _ROUTED_DISPATCH[kind] = reducer
+    for table in (_PAYLOAD_DISPATCH, _TABLE_DISPATCH, _ROUTED_DISPATCH, *OWN_REDUCERS.values()):
+        table[kind] = reducer
 
 
 class _PayloadPickler(pickle.Pickler):
@@ -134,6 +196,9 @@ def _fresh(
 class _ThreadPicklers(threading.local):
     """Picklers per thread, reused across messages: constructing one costs more than a small
     message's whole pickling. Re-entrant use on one thread falls back to fresh ones."""
+
+    #: the class that pickles a message whose map routes CPU tensors (always a fresh one)
+    routed: type[pickle.Pickler] = _RoutedPickler
 
     def __init__(self) -> None:
         self.file = io.BytesIO()
@@ -248,8 +313,9 @@ def encode(
     """
     if _profiler_enabled():
         return _unrecorded(_encode, obj, make_ext, device_check)
+    picklers = choice.picklers
     if make_ext is None:  # (the common case, without a call more)
-        return _encode_inline(obj, _cached, device_check)
+        return _encode_inline(obj, _cached if picklers is None else picklers, device_check)
     return _encode(obj, make_ext, device_check)
 
 
@@ -258,7 +324,9 @@ def _encode(
     make_ext: Callable[[list[torch.Tensor]], Any] | None,
     device_check: DeviceCheck | None,
 ) -> Encoded:
-    cache = _cached
+    cache: _ThreadPicklers | ChosenPicklers = _cached
+    if choice.picklers is not None:
+        cache = choice.picklers
     if make_ext is None:
         return _encode_inline(obj, cache, device_check)
     file, buffers, pickler, reuse = cache.acquire(table=False)
@@ -277,6 +345,7 @@ def _encode(
             table_file, table_buffers, table = _fresh(_RoutedPickler)
             _policy.staged = set()
         elif reuse:  # this thread's table pickler comes with its payload pickler
+            assert isinstance(cache, _ThreadPicklers)
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
             table_file, table_buffers, table = _fresh(_TablePickler)
@@ -329,11 +398,13 @@ def _is_plain(obj: Any) -> bool:
     return True
 
 
-def _encode_inline(obj: Any, cache: _ThreadPicklers, device_check: DeviceCheck | None) -> Encoded:
-    if _is_plain(obj):
+def _encode_inline(
+    obj: Any, cache: _ThreadPicklers | ChosenPicklers, device_check: DeviceCheck | None
+) -> Encoded:
+    if cache is _cached and _is_plain(obj):  # (a chosen pickler pickles everything)
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
     if _routes_cpu(device_check):
-        file, buffers, pickler = _fresh(_RoutedPickler)
+        file, buffers, pickler = _fresh(cache.routed)
         reuse = False
         _policy.staged = set()
     else:
@@ -369,7 +440,7 @@ def decode(
     """
     if _profiler_enabled():
         return _unrecorded(_decode, meta, buffers, flags, on_table)
-    if not flags & HAS_TABLE:  # (the common case, without a call more)
+    if not flags & HAS_TABLE and choice.unpickler is None:  # (the common case)
         return None, pickle.loads(meta, buffers=buffers)
     return _decode(meta, buffers, flags, on_table)
 
@@ -380,13 +451,14 @@ def _decode(
     flags: int,
     on_table: OnTable | None,
 ) -> tuple[Any, Any]:
+    kind = choice.unpickler or pickle.Unpickler
     if not flags & HAS_TABLE:
-        return None, pickle.loads(meta, buffers=buffers)
+        return None, kind(io.BytesIO(meta), buffers=buffers).load()
     # two streams, two unpicklers (each stream has its own memo), one buffer sequence
     file = io.BytesIO(meta)
     buffer_iter = iter(buffers)
-    ext, tensors = pickle.Unpickler(file, buffers=buffer_iter).load()
-    unpickler = pickle.Unpickler(file, buffers=buffer_iter)
+    ext, tensors = choice.table_unpickler(file, buffers=buffer_iter).load()
+    unpickler = kind(file, buffers=buffer_iter)
     if on_table is not None:
         tensors = on_table(ext, tensors)
     receiving = _receiving

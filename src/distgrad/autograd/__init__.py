@@ -14,7 +14,7 @@ from .._autograd._cleanup import after_release
 from .._autograd._context import CONTAINER, DistAutogradContext, context
 from .._autograd._engine import BackwardError
 from .._autograd._layer import AutogradLayer
-from .._rpc._core._layer import register_layer
+from .._rpc._core import register_layer
 
 __all__ = ["BackwardError", "backward", "context", "get_gradients", "is_available"]
 

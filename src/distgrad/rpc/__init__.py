@@ -30,20 +30,22 @@ from .._rpc._api import (
     rpc_sync,
     shutdown,
 )
-from .._rpc._core import _agent as _agent_impl
-from .._rpc._core import _options as _options_impl
-from .._rpc._core._events import MembershipEvent
-from .._rpc._core._options import (
+from .._rpc._core import (
+    AgentState,
+    AgentStatistics,
     BackendValue,
+    MembershipEvent,
+    PeerStatistics,
+    RemoteTraceback,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
+    WorkerInfo,
     backend_registered,
     construct_rpc_backend_options,
     register_backend,
 )
-from .._rpc._core._remote_error import RemoteTraceback
-from .._rpc._core._statistics import AgentState, AgentStatistics, PeerStatistics
-from .._rpc._core._worker_info import WorkerInfo
+from .._rpc._core import RpcAgent as _RpcAgent
+from .._rpc._core import backend_type as _backend_type
 from .._rpc._group._membership import add_membership_listener, members, remove_membership_listener
 from .._rpc._rrefs._rref import RRef
 from .._rpc._rrefs._rref_context import context_of as _context_of
@@ -102,7 +104,7 @@ PyRRef = RRef  # torch's C++ base class of RRef; here they are one class
 #: torch's agent class (programs check ``isinstance`` against the current agent): distgrad's
 #: one agent class, whatever the backend (``FAULTY_TENSORPIPE`` included, as torch's faulty
 #: agent is a ``TensorPipeAgent``)
-TensorPipeAgent = _agent_impl.RpcAgent
+TensorPipeAgent = _RpcAgent
 _server_process_global_profile = _server_profiler._server_process_global_profile
 
 
@@ -143,7 +145,7 @@ def __getattr__(name: str) -> Any:
     # Read when used, so that a backend registered later (FAULTY_TENSORPIPE, by importing
     # distgrad.rpc._testing) is a member (torch's rpc.BackendType stays the first enum).
     if name == "BackendType":
-        return _options_impl.BackendType
+        return _backend_type()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

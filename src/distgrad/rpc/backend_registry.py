@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._rpc._core import _options
-from .._rpc._core._options import (
+from .._rpc._core import (
     BackendValue,
     backend_registered,
     construct_rpc_backend_options,
     register_backend,
 )
+from .._rpc._core import backend_type as _backend_type
 
 __all__ = [
     "BackendType",  # noqa: F822  (module __getattr__)
@@ -27,5 +27,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "BackendType":
-        return _options.BackendType
+        return _backend_type()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

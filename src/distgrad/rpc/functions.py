@@ -1,5 +1,5 @@
 """``distgrad.rpc.functions`` (as ``torch.distributed.rpc.functions``)."""
 
-from .._rpc._core._functions import async_execution
+from .._rpc._core import async_execution
 
 __all__ = ["async_execution"]

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .._rpc._core._options import RpcBackendOptions, TensorPipeRpcBackendOptions
+from .._rpc._core import RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions"]

@@ -47,9 +47,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,7 +56,14 @@ import torch
 from ... import _config
 from ..._devices._backend import DeviceBackend, install_receiver
 from ..._devices._cuda import CudaBackend
-from ..._devices._maps import DevicePlan, default_devices, maps_from_record, maps_to_record
+from ..._devices._maps import (
+    DeviceMap,
+    DevicePlan,
+    default_devices,
+    gpus_from_record,
+    maps_from_record,
+    maps_to_record,
+)
 from ..._errors import PeerFailureError, RpcShutdownError
 from ..._omp import join_openmp_runtime
 from ..._transport._base import (
@@ -70,18 +76,21 @@ from ..._transport._base import (
 )
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
-from . import _current, _layer
+from . import _current, _layer, _pool
 from ._call_table import CallTable
 from ._codec import Codec
 from ._current import thread_binding
 from ._dialer import Dialer
 from ._events import MembershipEvent, MembershipKind
-from ._oneway import OneWay
+from ._lane import SerialLane
+from ._oneway import RETRY_ATTEMPTS, OneWay
 from ._options import TensorPipeRpcBackendOptions
-from ._outgoing import Outgoing
+from ._outgoing import AnswerCallback, Outgoing
 from ._pool import ThreadPool
 from ._serving import Serving
+from ._shared import Shared
 from ._statistics import AgentState, AgentStatistics, StatisticsRecorder
+from ._wire_choices import WireChoices
 from ._worker_info import WorkerInfo
 
 _log = logging.getLogger("distgrad.rpc")
@@ -127,7 +136,7 @@ def set_current_agent(agent: RpcAgent | None) -> None:
     _current.process = agent
 
 
-class RpcAgent(Outgoing, OneWay, Serving):
+class RpcAgent:
     """One worker's agent. Created and started by ``init_rpc``; stopped by ``shutdown``.
 
     ``transport`` builds the transport that moves its frames (sockets for ``init_rpc``; see
@@ -146,6 +155,8 @@ class RpcAgent(Outgoing, OneWay, Serving):
         isolated: bool = False,
         dynamic: bool = False,
     ) -> None:
+        #: the pickler and allow-list its options chose (for the process; undone at stop)
+        self.wire_choices = WireChoices(options)  # (first: a bad choice fails before anything)
         self.worker_info = WorkerInfo(name, rank)
         self.pid = os.getpid()  # the process whose threads these are (not a forked child)
         self.world_size = world_size
@@ -161,34 +172,56 @@ class RpcAgent(Outgoing, OneWay, Serving):
         #: called (on a callback thread) with every :class:`MembershipEvent`
         self.membership_listeners: list[Callable[[MembershipEvent], None]] = []
         self.options = options
-        self.rpc_timeout = options.rpc_timeout
         self.isolated = isolated
         bind = self._bind_thread if isolated else None
         #: per-worker state of the layers above (keyed by the layer's key): RRefs keep their
         #: tables here; autograd its contexts, for isolated agents
         self.layer_state: dict[object, object] = {}
+        #: what the stages share: the state, the transport once started, the default timeout
+        self._shared = Shared(self.worker_info, options.rpc_timeout)
         self._io = IoThread(on_start=bind)
         self._transport_factory = transport
-        self._transport: Transport | None = None
-        self._describe = False  # whether the transport wants a MessageInfo with each frame
         self.address: PeerAddress | None = None
         self._by_name: dict[str, WorkerInfo] = {name: self.worker_info}
         self._by_rank: dict[int, WorkerInfo] = {rank: self.worker_info}
-        self._calls = CallTable()
-        self._active = 0
-        self._active_lock = threading.Lock()
-        self._serving_async = 0  # @async_execution requests whose future is pending
-        # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
-        self._gil_profiling = False
-        self._gil_wait = [0.0, 0]  # seconds in all, requests
         self._workers = ThreadPool("distgrad-worker", options.num_worker_threads, on_start=bind)
         self._callbacks = ThreadPool("distgrad-callback", options.num_worker_threads, on_start=bind)
         self._pools = (self._workers, self._callbacks)
+        # one-way messages with device tensors are decoded here, off the I/O thread (_serving)
+        self._device_lane = SerialLane("distgrad-device-lane", on_start=bind)
         self._dialer = Dialer(on_start=bind)
-        self.state = AgentState.CREATED
         self._stats = StatisticsRecorder()
         self.keepalive: list[Any] = []  # objects that must live as long as the agent (store)
         self._codec = Codec(options, self._by_rank, self._label)
+        # the stages (each made here, and given what it uses)
+        self._outgoing = Outgoing(
+            self._shared,
+            codec=self._codec,
+            io=self._io,
+            callbacks=self._callbacks,
+            pools=self._pools,
+            stats=self._stats,
+            lookup=self.get_worker_info,
+        )
+        self._oneway = OneWay(
+            self._shared,
+            codec=self._codec,
+            io=self._io,
+            dialer=self._dialer,
+            callbacks=self._callbacks,
+            outgoing=self._outgoing,
+            lookup=self.get_worker_info,
+            incarnation_of=self.incarnation_of,
+        )
+        self._serving = Serving(
+            self._shared,
+            agent=self,
+            codec=self._codec,
+            workers=self._workers,
+            lane=self._device_lane,
+            stats=self._stats,
+            blocking=self.blocking,
+        )
 
     def _bind_thread(self) -> None:
         bind_thread(self)
@@ -204,7 +237,13 @@ class RpcAgent(Outgoing, OneWay, Serving):
         and ``devices`` (validated by every worker as torch does)."""
         backend = self._chosen_backend() or DeviceBackend()
         opts = self.options
-        return maps_to_record(backend.device_count(), opts.device_maps, opts.devices)
+        gpus = None
+        count = backend.device_count()
+        if _config.env_flag(_config.ENV_CUDA_IPC, True) and (opts.devices or opts.device_maps):
+            # every GPU it sees, offered for CUDA IPC with peers that see the same one (a
+            # worker that maps devices initialises CUDA at init anyway)
+            gpus = backend.gpu_ids([torch.device("cuda", i) for i in range(count)])
+        return maps_to_record(count, opts.device_maps, opts.devices, gpus)
 
     @property
     def device_plan(self) -> DevicePlan:
@@ -241,6 +280,10 @@ class RpcAgent(Outgoing, OneWay, Serving):
         (torch's ``_update_group_membership``)."""
         plan = self._codec.plan
         _count, maps, _devices = maps_from_record(record)
+        gpus = dict(plan.gpus)
+        joined = gpus_from_record(record)
+        if joined:
+            gpus[name] = joined
         reverse = dict(plan.reverse)
         mine = maps.get(self.worker_info.name)
         if mine:
@@ -248,7 +291,7 @@ class RpcAgent(Outgoing, OneWay, Serving):
         else:
             reverse.pop(name, None)
         devices = plan.devices if self.options.devices else default_devices([], plan.maps, reverse)
-        self.set_device_plan(DevicePlan(plan.maps, reverse, devices))
+        self.set_device_plan(DevicePlan(plan.maps, reverse, devices, gpus, plan.me))
 
     # -- start -----------------------------------------------------------------------------------
     def start_transport(self, secret: bytes, listen_host: str) -> PeerAddress:
@@ -275,9 +318,10 @@ class RpcAgent(Outgoing, OneWay, Serving):
         _layer.agent_starting(self)
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
-        self._transport = self._transport_factory(config, self._io, self, self._label)
-        self._describe = self._transport.wants_message_info
-        self.address = self._transport.listen(listen_host)
+        transport = self._transport_factory(config, self._io, self, self._label)
+        self._shared.transport = transport
+        self._shared.describe = transport.wants_message_info
+        self.address = transport.listen(listen_host)
         self.state = AgentState.LISTENING
         return self.address
 
@@ -288,8 +332,7 @@ class RpcAgent(Outgoing, OneWay, Serving):
         for rank, address in addresses.items():
             if address.incarnation:
                 self._incarnation_of[rank] = address.incarnation
-        assert self._transport is not None
-        self._transport.set_peers(addresses)
+        self.transport.set_peers(addresses)
         self._codec.set_peer_limits(addresses)
         self.state = AgentState.RUNNING
 
@@ -400,14 +443,14 @@ class RpcAgent(Outgoing, OneWay, Serving):
         pool = self._workers
         busy = pool.busy()
         metrics = {
-            "agent.server_active_async_calls": str(self._serving_async),
-            "agent.client_active_calls": str(self._active),
+            "agent.server_active_async_calls": str(self._serving.serving_async),
+            "agent.client_active_calls": str(self._outgoing.active_calls()),
             "agent.server_active_calls": str(busy),
             "agent.num_idle_threads": str(max(0, pool.max_threads - busy)),
             "agent.thread_pool_size": str(pool.max_threads),
         }
-        if self._gil_profiling:
-            total, count = self._gil_wait
+        if self._serving.gil_profiling:
+            total, count = self._serving.gil_wait
             average_us = total / count * 1e6 if count else 0.0
             metrics["agent.gil_average_wait_time_us"] = f"{average_us:f}"
         return metrics
@@ -420,9 +463,7 @@ class RpcAgent(Outgoing, OneWay, Serving):
         :meth:`get_metrics` / :meth:`get_debug_info` (torch times its own GIL acquisitions;
         in a pure-Python agent this hand-off is where the GIL is waited for). Costs nothing
         while off; turning it off keeps the figures, turning it on again resets them."""
-        if flag and not self._gil_profiling:
-            self._gil_wait = [0.0, 0]
-        self._gil_profiling = bool(flag)
+        self._serving.enable_gil_profiling(flag)
 
     def get_debug_info(self) -> dict[str, str]:
         """torch's ``RpcAgent.get_debug_info()``: the metrics of :meth:`get_metrics`."""
@@ -430,8 +471,38 @@ class RpcAgent(Outgoing, OneWay, Serving):
 
     @property
     def transport(self) -> Transport:
-        assert self._transport is not None
-        return self._transport
+        transport = self._shared.transport
+        assert transport is not None
+        return transport
+
+    @property
+    def _transport(self) -> Transport | None:
+        """The transport, or None before :meth:`start_transport`."""
+        return self._shared.transport
+
+    @property
+    def state(self) -> AgentState:
+        """Where the agent is in its life (``CREATED`` ... ``STOPPED``)."""
+        return self._shared.state
+
+    @state.setter
+    def state(self, state: AgentState) -> None:
+        self._shared.state = state
+
+    @property
+    def rpc_timeout(self) -> float:
+        """The default timeout of new calls (seconds; 0: none); ``rpc._set_rpc_timeout``
+        changes it."""
+        return self._shared.rpc_timeout
+
+    @rpc_timeout.setter
+    def rpc_timeout(self, timeout: float) -> None:
+        self._shared.rpc_timeout = timeout
+
+    @property
+    def _calls(self) -> CallTable:
+        """The outgoing stage's calls table (what is in flight from here)."""
+        return self._outgoing.calls
 
     def statistics(self) -> TransportStatistics:
         """The transport's counters (connections, handshakes, dead peers, stalls)."""
@@ -460,21 +531,12 @@ class RpcAgent(Outgoing, OneWay, Serving):
 
     def peer_is_dead(self, dst: int) -> bool:
         """True once worker ``dst`` is known to be dead."""
-        return self._transport is not None and self._transport.is_dead(dst)
+        return self._shared.peer_is_dead(dst)
 
-    @contextlib.contextmanager
-    def blocking(self) -> Iterator[None]:
+    def blocking(self) -> contextlib.AbstractContextManager[None]:
         """A block that waits for other workers: on a worker or callback thread, its pool slot
         is free meanwhile (so nested calls cannot exhaust the pool)."""
-        pool = self._member_pool()
-        if pool is None:
-            yield
-            return
-        pool.enter_blocking()
-        try:
-            yield
-        finally:
-            pool.exit_blocking()
+        return _pool.blocking(self._pools)
 
     def schedule(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` soon on a callback thread. Safe from anywhere, even ``__del__``: it takes
@@ -485,18 +547,101 @@ class RpcAgent(Outgoing, OneWay, Serving):
         if not self.state.stopped:
             self._callbacks.submit(fn)
 
+    # -- calls and messages out (the outgoing and one-way stages) --------------------------------
+    def call_sync(
+        self,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        *,
+        force: bool = True,
+        internal: bool = False,
+    ) -> Any:
+        """Send a request and wait for its result, raising remote errors
+        (:meth:`Outgoing.call_sync <._outgoing.Outgoing.call_sync>`)."""
+        return self._outgoing.call_sync(
+            dst, func, args, kwargs, timeout, force=force, internal=internal
+        )
+
+    def call_async(
+        self,
+        dst: WorkerInfo,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float = -1.0,
+        *,
+        force: bool = True,
+        internal: bool = False,
+    ) -> torch.futures.Future[Any]:
+        """Send a request; return a ``torch.futures.Future`` of its result
+        (:meth:`Outgoing.call_async <._outgoing.Outgoing.call_async>`)."""
+        return self._outgoing.call_async(
+            dst, func, args, kwargs, timeout, force=force, internal=internal
+        )
+
+    def call_internal(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        on_done: AnswerCallback,
+        timeout: float = -1.0,
+        *,
+        device_map: DeviceMap | None = None,
+    ) -> None:
+        """An internal request with no future, its answer handed to ``on_done`` where it
+        arrives (:meth:`Outgoing.call_internal <._outgoing.Outgoing.call_internal>`)."""
+        self._outgoing.call_internal(dst, func, args, on_done, timeout, device_map=device_map)
+
+    def active_calls(self) -> int:
+        """User calls from this worker still waiting for their response."""
+        return self._outgoing.active_calls()
+
+    def wait_until_idle(self, deadline: float | None) -> None:
+        """Wait until no user call from this worker is in flight (or raise at ``deadline``)."""
+        self._outgoing.wait_until_idle(deadline)
+
+    def notify(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        *,
+        later: bool = False,
+        device_map: DeviceMap | None = None,
+    ) -> None:
+        """Send a one-way internal message (:meth:`OneWay.notify <._oneway.OneWay.notify>`)."""
+        self._oneway.notify(dst, func, args, later=later, device_map=device_map)
+
+    def post(
+        self, dst: int, func: Any, args: tuple[Any, ...], *, later: bool = False, attempts: int = 1
+    ) -> None:
+        """:meth:`notify` for a message nothing waits for, never blocking the caller
+        (:meth:`OneWay.post <._oneway.OneWay.post>`)."""
+        self._oneway.post(dst, func, args, later=later, attempts=attempts)
+
+    def send_with_retries(
+        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = RETRY_ATTEMPTS
+    ) -> torch.futures.Future[Any]:
+        """An internal message whose handler is idempotent, retried
+        (:meth:`OneWay.send_with_retries <._oneway.OneWay.send_with_retries>`)."""
+        return self._oneway.send_with_retries(dst, func, args, attempts)
+
     # -- receiving (I/O thread) ------------------------------------------------------------------
     def on_frame(self, conn: Link, frame: Frame) -> None:
         kind = frame.kind
         if kind == Kind.REQUEST:
-            self._on_request(conn, frame)
+            self._serving.on_request(conn, frame)
         elif kind == Kind.NOTIFY:
-            self._on_notify(conn, frame)
+            self._serving.on_notify(conn, frame)
         else:
-            self._on_answer(frame)
+            self._outgoing.on_answer(frame)
 
     def on_connection_lost(self, conn: Link, error: Exception, *, peer_dead: bool) -> None:
-        self._fail_calls_on(conn, error)
+        self._outgoing.fail_calls_on(conn, error)
         if peer_dead:
             self._callbacks.submit(_layer.peer_failed, self, conn.peer, error)
 
@@ -512,13 +657,17 @@ class RpcAgent(Outgoing, OneWay, Serving):
             # close (a follower leaving shutdown's last all-gather must not close the connection
             # before its answer to the leader's broadcast has gone out).
             self._workers.stop()
-        if self._transport is not None:
-            self._transport.close(graceful)
+        if self._shared.transport is not None:
+            self._shared.transport.close(graceful)
         self._dialer.stop(timeout=0.2)
-        self._fail_all_calls(RpcShutdownError("RPC agent was shut down before the call completed"))
+        self._outgoing.fail_all_calls(
+            RpcShutdownError("RPC agent was shut down before the call completed")
+        )
+        self._device_lane.stop()
         self._workers.stop()
         self._callbacks.stop()
         self._io.stop()
         self.keepalive.clear()
         _layer.agent_stopped(self)
+        self.wire_choices.undo()
         self.state = AgentState.STOPPED

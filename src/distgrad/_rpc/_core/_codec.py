@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..._config import CUDA_IPC_THRESHOLD
 from ..._devices._backend import DeviceBackend
 from ..._devices._maps import CPU, DeviceMap, DevicePlan, route
 from ..._errors import MessageTooLargeError
@@ -123,7 +124,7 @@ class DeviceRouter:
     that land on a device through the backend; a true ``routes_cpu`` asks the pickler to
     route CPU tensors too (the map has a ``cpu`` entry)."""
 
-    __slots__ = ("backend", "devices", "direction", "map", "peer", "routes_cpu")
+    __slots__ = ("backend", "devices", "direction", "ipc", "map", "peer", "routes_cpu")
 
     def __init__(
         self,
@@ -140,6 +141,8 @@ class DeviceRouter:
         self.backend = backend
         target = device_map.get(CPU) if device_map else None
         self.routes_cpu = target is not None and target.type != "cpu"
+        #: (source, target) entries between one GPU both workers share: by CUDA IPC
+        self.ipc = plan.ipc_pairs(peer, device_map)
 
     def __repr__(self) -> str:
         return f"DeviceRouter({self.direction} to {self.peer}, map={self.map})"
@@ -156,4 +159,10 @@ class DeviceRouter:
                 f"device is not one of the input tensor devices: {devices}, which is not yet "
                 "supported. Please file a feature request issue in PyTorch GitHub repo."
             )
+        if (
+            self.ipc
+            and (device, target) in self.ipc
+            and tensor.numel() * tensor.element_size() >= CUDA_IPC_THRESHOLD
+        ):
+            return self.backend.stage_shared(tensor, target)
         return self.backend.stage(tensor, target)

@@ -57,6 +57,7 @@ __all__ = [
     "call_recorder",
     "layers",
     "register_layer",
+    "shutting_down",
     "unregister_layer",
 ]
 

@@ -4,13 +4,14 @@ caller: a send that needs a dial goes to the agent's dialing threads, ``_dialer`
 ``send_with_retries`` (an idempotent internal request, retried, the reference's
 ``sendWithRetries``). On the I/O thread nothing here ever dials.
 
-:class:`OneWay` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
-declares are the agent's."""
+:class:`OneWay` is a stage of :class:`~distgrad._rpc._core._agent.RpcAgent`, given what it uses
+(the agent's running state, ``_shared``; the outgoing stage, for retried requests)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,7 +22,6 @@ from ..._errors import (
     PeerFailureError,
     RpcShutdownError,
 )
-from ..._transport._base import Transport
 from ..._transport._io import IoThread
 from ..._wire._frames import Kind
 from ..._wire._pickler import encode
@@ -29,52 +29,48 @@ from ._calls import set_future_error
 from ._codec import Codec
 from ._dialer import Dialer
 from ._messages import describe_request
+from ._outgoing import Outgoing
 from ._pool import ThreadPool
-from ._statistics import AgentState
+from ._shared import Shared
 from ._worker_info import WorkerInfo
 
-__all__ = ["OneWay"]
+__all__ = ["RETRY_ATTEMPTS", "OneWay"]
 
 _log = logging.getLogger("distgrad.rpc")
 
-_RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
+RETRY_ATTEMPTS = 5  # of idempotent internal messages (torch's RpcRetryOptions: 5)
 _RETRY_BACKOFF = 0.05  # seconds before the first retry; doubles each time
 _SUSPECTED_RETRY = 0.5  # seconds between attempts while the peer is suspected
 
 
 class OneWay:
-    """One-way messages and retried internal requests (a part of the agent)."""
+    """One-way messages and retried internal requests: a stage of the agent, which makes it
+    and hands it what it uses (retried requests are calls of the outgoing stage)."""
 
-    worker_info: WorkerInfo
-    _transport: Transport | None
-    _describe: bool
-    _codec: Codec
-    _io: IoThread
-    _dialer: Dialer
-    _callbacks: ThreadPool
-    state: AgentState
-
-    if TYPE_CHECKING:
-
-        def _stopped_error(self, kind: str) -> RpcShutdownError: ...
-
-        def get_worker_info(self, to: str | int | None = None) -> WorkerInfo: ...
-
-        def incarnation_of(self, rank: int) -> int: ...
-
-        def peer_is_dead(self, dst: int) -> bool: ...
-
-        def call_async(
-            self,
-            dst: WorkerInfo,
-            func: Any,
-            args: tuple[Any, ...],
-            kwargs: dict[str, Any],
-            timeout: float = -1.0,
-            *,
-            force: bool = True,
-            internal: bool = False,
-        ) -> torch.futures.Future[Any]: ...
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        codec: Codec,
+        io: IoThread,
+        dialer: Dialer,
+        callbacks: ThreadPool,
+        outgoing: Outgoing,
+        lookup: Callable[[int], WorkerInfo],
+        incarnation_of: Callable[[int], int],
+    ) -> None:
+        self._shared = shared
+        self._codec = codec
+        self._io = io
+        #: the threads that dial for sends that must not wait (``_dialer``)
+        self._dialer = dialer
+        #: where retries are made (an attempt may block: never on the I/O thread)
+        self._callbacks = callbacks
+        self._outgoing = outgoing
+        #: the worker of a rank (the agent's ``get_worker_info``)
+        self._lookup = lookup
+        #: the incarnation known for a rank (the agent's ``incarnation_of``)
+        self._incarnation_of = incarnation_of
 
     def notify(
         self,
@@ -98,8 +94,8 @@ class OneWay:
         On the I/O thread it never dials (see ``_dialer``): with no connection open to ``dst``,
         the message is sent by ``dst``'s dialing thread once it has connected (and a failure
         there is only logged)."""
-        if self.state.stopped:
-            raise self._stopped_error("NOTIFY")
+        if self._shared.state.stopped:
+            raise self._shared.stopped_error("NOTIFY")
         if not self._io.in_loop():
             self._notify(dst, func, args, later, device_map=device_map)
             return
@@ -119,7 +115,7 @@ class OneWay:
         write finds the connection broken) sent by ``dst``'s dialing thread, which connects
         first and tries ``attempts`` times in all while connections break (never to a peer
         proved dead). Raises nothing: a message that cannot be delivered is logged (debug)."""
-        if self.state.stopped:
+        if self._shared.state.stopped:
             return
         if self._writable_now(dst):
             try:
@@ -130,7 +126,7 @@ class OneWay:
             except FrameNotSentError:
                 pass  # (not sent: the dialing thread sends it on a new connection)
             except DistgradError as exc:
-                if attempts <= 1 or self.peer_is_dead(dst):
+                if attempts <= 1 or self._shared.peer_is_dead(dst):
                     _log.debug("one-way %s to %s not sent: %s", func, dst, exc)
                     return
                 attempts -= 1
@@ -141,10 +137,10 @@ class OneWay:
         is open and nothing queued for ``dst`` waits for a dial)."""
         if self._dialer.busy(dst):
             return False
-        if dst == self.worker_info.id:
+        if dst == self._shared.worker_info.id:
             return True  # (the connection to this worker itself never waits)
-        assert self._transport is not None
-        return self._transport.open_link(dst) is not None
+        assert self._shared.transport is not None
+        return self._shared.transport.open_link(dst) is not None
 
     def _notify_logged(
         self,
@@ -157,7 +153,7 @@ class OneWay:
         """Send now, dialing if needed, ``attempts`` times while connections break (a dialing
         thread's part of :meth:`notify` and :meth:`post`)."""
         for attempt in range(attempts):
-            if self.state.stopped:
+            if self._shared.state.stopped:
                 return
             try:
                 self._notify(dst, func, args, False, device_map=device_map)
@@ -165,7 +161,7 @@ class OneWay:
             except RpcShutdownError:
                 return
             except DistgradError as exc:
-                if attempt + 1 == attempts or self.peer_is_dead(dst):
+                if attempt + 1 == attempts or self._shared.peer_is_dead(dst):
                     _log.debug("one-way %s to %s not sent: %s", func, dst, exc)
                     return
 
@@ -182,15 +178,15 @@ class OneWay:
         """Write the message on the connection to ``dst`` (dialed if none is open). A frame
         found not sent (a broken connection) goes once more on a new one -- unless not
         ``redial``: the ``FrameNotSentError`` is raised then."""
-        if self.state.stopped:
-            raise self._stopped_error("NOTIFY")
-        assert self._transport is not None
-        conn = self._transport.connection(dst)
+        if self._shared.state.stopped:
+            raise self._shared.stopped_error("NOTIFY")
+        assert self._shared.transport is not None
+        conn = self._shared.transport.connection(dst)
         encoded = encode(
             (func, args), device_check=self._codec.device_check("Request", dst, device_map)
         )
         self._codec.check_size(encoded, dst)
-        info = describe_request(func, args, wrapped=False) if self._describe else None
+        info = describe_request(func, args, wrapped=False) if self._shared.describe else None
         if later:
             conn.send_frame_later(
                 Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info
@@ -201,11 +197,11 @@ class OneWay:
         except FrameNotSentError:  # not sent at all: once more, on a fresh connection
             if not redial:
                 raise
-            conn = self._transport.connection(dst)
+            conn = self._shared.transport.connection(dst)
             conn.send_frame(Kind.NOTIFY, 0, encoded.meta, encoded.buffers, encoded.flags, info=info)
 
     def send_with_retries(
-        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = _RETRY_ATTEMPTS
+        self, dst: int, func: Any, args: tuple[Any, ...], attempts: int = RETRY_ATTEMPTS
     ) -> torch.futures.Future[Any]:
         """An internal message whose handler is idempotent (the reference's
         ``sendWithRetries``): a failure other than a dead peer or a stopped agent -- a timeout
@@ -217,18 +213,18 @@ class OneWay:
         heals), and the retries end when it is proved dead or this agent stops. The future
         completes with the result or the last error."""
         result: torch.futures.Future[Any] = torch.futures.Future()
-        incarnation = self.incarnation_of(dst)
+        incarnation = self._incarnation_of(dst)
 
         def failed(exc: BaseException, left: int) -> None:
-            if isinstance(exc, RpcShutdownError) or self.state.stopped:
+            if isinstance(exc, RpcShutdownError) or self._shared.state.stopped:
                 set_future_error(result, exc)
                 return
             if isinstance(exc, PeerFailureError):
-                transport = self._transport
+                transport = self._shared.transport
                 if (
                     transport is None
                     or transport.is_dead(dst)
-                    or self.incarnation_of(dst) != incarnation  # never to its successor
+                    or self._incarnation_of(dst) != incarnation  # never to its successor
                 ):
                     set_future_error(result, exc)
                     return
@@ -254,7 +250,7 @@ class OneWay:
         def attempt(left: int) -> None:
             try:
                 # the default timeout: an attempt that is lost is retried after it
-                future = self.call_async(self.get_worker_info(dst), func, args, {}, internal=True)
+                future = self._outgoing.call_async(self._lookup(dst), func, args, {}, internal=True)
             except PeerFailureError as exc:  # gone, or suspected and not reachable now
                 failed(exc, left)
                 return

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "backend_registered",
+    "backend_type",
     "construct_rpc_backend_options",
     "infer_backend",
     "is_backend_type",
@@ -94,6 +95,19 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         fail_stop (bool): a peer whose connection is lost, or that is silent for
             ``peer_timeout``, is dead for the rest of the group's life (no reconnection):
             distgrad's behaviour before suspicion. Also ``DISTGRAD_FAIL_STOP=1``.
+        pickler (optional): what pickles this worker's messages, for the whole process: any
+            object with pickle's shape (a ``Pickler`` class and optionally an ``Unpickler``
+            class: the ``dill`` or ``cloudpickle`` module), or torch's ``_InternalRPCPickler``
+            shape (``_pickler(f)`` / ``_unpickler(f)``). Tensors still travel out of band;
+            checked by a round trip at ``init_rpc``. Default: pickle. torch's
+            ``rpc.api._use_rpc_pickler`` does the same for code written against it.
+        allowed_calls, allowed_classes (list, optional): an allow-list (off by default,
+            torch's behaviour): the functions peers may run here, and the classes and functions
+            their messages may make this worker unpickle -- callables, dotted names
+            (``"mypkg.train"``) or module prefixes (``"mypkg.*"``); distgrad's own messages are
+            always allowed. Also ``DISTGRAD_ALLOWED_CALLS`` / ``DISTGRAD_ALLOWED_CLASSES``
+            (comma-separated). A refused request fails with an error naming what was refused;
+            the connection stays up (docs/security.md).
 
     Raises:
         ValueError: ``num_worker_threads`` below 1, TLS with only one context, a
@@ -127,6 +141,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         peer_timeout: float = _config.DEFAULT_PEER_TIMEOUT,
         listen_addr: str | None = None,
         fail_stop: bool = False,
+        pickler: Any = None,
+        allowed_calls: Iterable[Any] | None = None,
+        allowed_classes: Iterable[Any] | None = None,
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if num_worker_threads < 1:
@@ -152,6 +169,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.peer_timeout = peer_timeout
         self.listen_addr = listen_addr
         self.fail_stop = fail_stop
+        self.pickler = pickler
+        self.allowed_calls = None if allowed_calls is None else list(allowed_calls)
+        self.allowed_classes = None if allowed_classes is None else list(allowed_classes)
         for to, device_map in (device_maps or {}).items():
             self.set_device_map(to, device_map)
         if devices:
@@ -326,6 +346,12 @@ BackendType.__doc__ = """The RPC backends (torch's ``BackendType``): ``TENSORPIP
 added with ``register_backend``. Every member starts distgrad's own agent; ``TENSORPIPE`` is
 there so that torch programs passing ``backend=rpc.BackendType.TENSORPIPE`` run unchanged.
 A member's value is its ``BackendValue``."""
+
+
+def backend_type() -> Any:
+    """``BackendType`` as it is now: :func:`register_backend` replaces the enum with one that
+    has the new member too."""
+    return BackendType
 
 
 def backend_registered(backend_name: str) -> bool:

@@ -4,8 +4,8 @@ failure or the agent stopping -- completes or fails it, for whoever waits: the c
 (``rpc_sync``), a future completed on a callback thread (``rpc_async``), or an internal
 callback run where the answer arrives (``call_internal``).
 
-:class:`Outgoing` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
-declares are the agent's."""
+:class:`Outgoing` is a stage of :class:`~distgrad._rpc._core._agent.RpcAgent`: it owns the
+calls table and is given what else it uses (the agent's running state, ``_shared``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,11 +24,10 @@ from ..._errors import (
     FrameNotSentError,
     InjectedFailureError,
     PeerFailureError,
-    RpcShutdownError,
     RpcTimeoutError,
     rpc_timeout_message,
 )
-from ..._transport._base import Link, Transport
+from ..._transport._base import Link
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
@@ -38,9 +37,10 @@ from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
 from ._extension import CallRecord
 from ._messages import describe_request
-from ._pool import ThreadPool
+from ._pool import ThreadPool, member_pool
 from ._remote_error import exception_from_payload
-from ._statistics import AgentState, StatisticsRecorder
+from ._shared import Shared
+from ._statistics import StatisticsRecorder
 from ._worker_info import WorkerInfo
 
 __all__ = ["Outgoing"]
@@ -53,39 +53,38 @@ AnswerCallback = Callable[[Any, BaseException | None], None]
 
 
 class Outgoing:
-    """Requests out, answers back (a part of the agent)."""
+    """Requests out, answers back: a stage of the agent, which makes it and hands it what it
+    uses. It owns the calls table (:attr:`calls`) and the count of user calls in flight."""
 
-    worker_info: WorkerInfo
-    rpc_timeout: float
-    _transport: Transport | None
-    _describe: bool
-    _codec: Codec
-    _calls: CallTable
-    _active: int
-    _active_lock: threading.Lock
-    _io: IoThread
-    _workers: ThreadPool
-    _callbacks: ThreadPool
-    _pools: tuple[ThreadPool, ...]
-    state: AgentState
-    _stats: StatisticsRecorder
-
-    def _member_pool(self) -> ThreadPool | None:
-        """The agent's pool that the calling thread belongs to, if any."""
-        for pool in self._pools:
-            if pool.is_member():
-                return pool
-        return None
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        codec: Codec,
+        io: IoThread,
+        callbacks: ThreadPool,
+        pools: tuple[ThreadPool, ...],
+        stats: StatisticsRecorder,
+        lookup: Callable[[int], WorkerInfo],
+    ) -> None:
+        self._shared = shared
+        self._codec = codec
+        self._io = io
+        #: completes ``rpc_async`` futures (never on the I/O thread)
+        self._callbacks = callbacks
+        #: the agent's pools: a thread of one of them that waits for an answer frees its slot
+        self._pools = pools
+        self._stats = stats
+        #: the worker of a rank (the agent's ``get_worker_info``)
+        self._lookup = lookup
+        #: the calls waiting for their answer, and their timeouts
+        self.calls = CallTable()
+        self._active = 0  # user calls in flight (not internal ones)
+        self._active_lock = threading.Lock()
 
     # -- send: encode, register, write -----------------------------------------------------------
     def _effective_timeout(self, timeout: float) -> float:
-        return self.rpc_timeout if timeout < 0 else timeout
-
-    def _stopped_error(self, kind: str) -> RpcShutdownError:
-        return RpcShutdownError(
-            f"Node {self.worker_info.id}tried to send() a message of type {kind} "
-            "but RPC is no longer running on this node."
-        )
+        return self._shared.rpc_timeout if timeout < 0 else timeout
 
     def _send(
         self,
@@ -99,10 +98,10 @@ class Outgoing:
         callback: AnswerCallback | None = None,
         device_map: DeviceMap | None = None,
     ) -> _Call:
-        if self.state.stopped:
-            raise self._stopped_error("REQUEST")
-        assert self._transport is not None
-        conn = self._transport.connection(dst.id)
+        if self._shared.state.stopped:
+            raise self._shared.stopped_error("REQUEST")
+        assert self._shared.transport is not None
+        conn = self._shared.transport.connection(dst.id)
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
         made: list[CallRecord | None] = []  # the extension's ext, once made
@@ -132,7 +131,7 @@ class Outgoing:
         finally:
             encoding.dst = -1
             encoding.callbacks = None
-        calls = self._calls
+        calls = self.calls
         cid = calls.next_id()
         call = _Call(
             cid,
@@ -150,7 +149,7 @@ class Outgoing:
         calls.add(call)
         self._stats.sent(dst.id, size)
         info = None
-        if self._describe:
+        if self._shared.describe:
             wrapped = bool(made) and made[0] is not None
             info = describe_request(payload[0], payload[1], wrapped=wrapped)
         try:
@@ -199,11 +198,11 @@ class Outgoing:
     def _resend(self, call: _Call, dst: WorkerInfo, error: FrameNotSentError) -> Link:
         """A fresh connection for ``call`` (out of the table), whose request could not be
         written; raises (the call counted as failed) if there is none."""
-        assert self._transport is not None
+        assert self._shared.transport is not None
         try:
-            if self.state.stopped:
-                raise self._stopped_error("REQUEST")
-            conn = self._transport.connection(dst.id)
+            if self._shared.state.stopped:
+                raise self._shared.stopped_error("REQUEST")
+            conn = self._shared.transport.connection(dst.id)
         except BaseException:
             self._done(call)
             raise
@@ -229,18 +228,26 @@ class Outgoing:
         (torch records every Python UDF call inside a context, but not builtin operators)."""
         if _profiling.wants(func):  # the only cost of profiling support when it is off
             return _profiling.call_sync(
-                self.call_sync, self.worker_info, dst, func, args, kwargs, timeout, force, internal
+                self.call_sync,
+                self._shared.worker_info,
+                dst,
+                func,
+                args,
+                kwargs,
+                timeout,
+                force,
+                internal,
             )
         call = self._send(dst, (func, args, kwargs), timeout, None, internal=internal, force=force)
         lock = call.lock
         assert lock is not None
-        pool = self._member_pool()
+        pool = member_pool(self._pools)
         if pool is not None:  # a pool thread waiting here frees its slot meanwhile
             pool.enter_blocking()
         try:
             if call.timeout > 0:
                 if not lock.acquire(timeout=call.timeout):
-                    if self._calls.pop(call.cid) is not None:
+                    if self.calls.pop(call.cid) is not None:
                         self._done(call)
                         _delivery.run_failure_callbacks(call.settle, True)
                         raise RpcTimeoutError(rpc_timeout_message(call.timeout))
@@ -250,9 +257,11 @@ class Outgoing:
         finally:
             if pool is not None:
                 pool.exit_blocking()
-        result = self._result(call)
-        if Process.seen:  # the caller's current streams wait for what arrived on devices
-            self._codec.backend.join_current(take_arrivals())
+        try:
+            result = self._result(call)
+        finally:
+            if Process.seen:  # the caller's current streams wait for what arrived on devices
+                self._codec.backend.join_current(take_arrivals())  # (after a failed decode too)
         return result
 
     def call_async(
@@ -269,7 +278,15 @@ class Outgoing:
         """Send a request; return a ``torch.futures.Future`` of its result."""
         if _profiling.wants(func):
             return _profiling.call_async(
-                self.call_async, self.worker_info, dst, func, args, kwargs, timeout, force, internal
+                self.call_async,
+                self._shared.worker_info,
+                dst,
+                func,
+                args,
+                kwargs,
+                timeout,
+                force,
+                internal,
             )
         future = RpcFuture() if self._codec.backend.name == "cpu" else self._device_future()
         future._pools = self._pools
@@ -290,14 +307,6 @@ class Outgoing:
         future: RpcFuture = self._codec.backend.new_future(RpcFuture, self._codec.plan.devices)
         return future
 
-    if TYPE_CHECKING:
-
-        def get_worker_info(self, to: str | int | None = None) -> WorkerInfo: ...
-
-        def incarnation_of(self, rank: int) -> int: ...
-
-        def peer_is_dead(self, dst: int) -> bool: ...
-
     def call_internal(
         self,
         dst: int,
@@ -315,7 +324,7 @@ class Outgoing:
         and must not block. Raises (and does not call ``on_done``) if the request cannot be
         sent at all. ``device_map`` routes its tensors instead of this worker's map to ``dst``
         (a gradient message: the inverse of the map its forward call came with)."""
-        info = self.get_worker_info(dst)
+        info = self._lookup(dst)
         call = self._send(
             info,
             (func, args, {}),
@@ -330,23 +339,23 @@ class Outgoing:
             self._arm_timeout(call)
 
     # -- complete or fail ------------------------------------------------------------------------
-    def _on_answer(self, frame: Frame) -> None:
+    def on_answer(self, frame: Frame) -> None:
         """A response or error reply arrived (I/O thread)."""
-        call = self._calls.pop(frame.message_id)
+        call = self.calls.pop(frame.message_id)
         if call is None:
             return  # the call timed out or was failed already; the late response is dropped
         call.frame = frame
         self._finish(call)
 
-    def _fail_calls_on(self, conn: Link, error: Exception) -> None:
+    def fail_calls_on(self, conn: Link, error: Exception) -> None:
         """Fail every call waiting on ``conn``, which broke (I/O thread): their requests were
         written (or partly), so the peer may have run them."""
-        for call in self._calls.take_on(conn):
+        for call in self.calls.take_on(conn):
             call.error = PeerFailureError(f"{error}{MAYBE_RUN}", conn.peer_label)
             self._finish(call)
 
-    def _fail_all_calls(self, error: BaseException) -> None:
-        for call in self._calls.take_all():
+    def fail_all_calls(self, error: BaseException) -> None:
+        for call in self.calls.take_all():
             call.error = error
             self._finish(call)
 
@@ -375,6 +384,8 @@ class Outgoing:
         try:
             result = self._result(call)
         except BaseException as exc:
+            if Process.seen:
+                take_arrivals()  # a decode that failed halfway: forget what it put on devices
             set_future_error(future, exc)
             return
         arrivals = take_arrivals() if Process.seen else None
@@ -444,18 +455,18 @@ class Outgoing:
         while self._active > 0:
             if deadline is not None and time.monotonic() > deadline:
                 raise RpcTimeoutError(
-                    f"{self._active} RPCs from {self.worker_info.name} still in flight at the "
-                    "shutdown timeout"
+                    f"{self._active} RPCs from {self._shared.worker_info.name} still in flight "
+                    "at the shutdown timeout"
                 )
             time.sleep(0.002)
 
     # -- timeouts of rpc_async and internal calls (I/O thread) -----------------------------------
     def _arm_timeout(self, call: _Call) -> None:
-        if self._calls.arm(call, time.monotonic() + call.timeout):
+        if self.calls.arm(call, time.monotonic() + call.timeout):
             self._io.call_soon(self._tick)
 
     def _tick(self) -> None:
-        expired, more = self._calls.expire(time.monotonic(), stopping=self.state.stopped)
+        expired, more = self.calls.expire(time.monotonic(), stopping=self._shared.state.stopped)
         for call in expired:
             call.error = RpcTimeoutError(rpc_timeout_message(call.timeout))
             self._finish(call)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ThreadPool"]
+__all__ = ["ThreadPool", "blocking", "member_pool"]
 
 _log = logging.getLogger("distgrad.rpc")
 
@@ -175,3 +176,26 @@ class ThreadPool:
         for thread in threads:
             if thread is not current:
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def member_pool(pools: tuple[ThreadPool, ...]) -> ThreadPool | None:
+    """The pool of ``pools`` that the calling thread belongs to, if any."""
+    for pool in pools:
+        if pool.is_member():
+            return pool
+    return None
+
+
+@contextlib.contextmanager
+def blocking(pools: tuple[ThreadPool, ...]) -> Iterator[None]:
+    """A block that waits for other workers: on a thread of one of ``pools``, its slot is free
+    meanwhile (so nested calls cannot exhaust the pool)."""
+    pool = member_pool(pools)
+    if pool is None:
+        yield
+        return
+    pool.enter_blocking()
+    try:
+        yield
+    finally:
+        pool.exit_blocking()

@@ -7,6 +7,8 @@ import sys
 import traceback
 from typing import Any
 
+from ..._wire._choice import restricted_loads
+
 __all__ = [
     "RemoteTraceback",
     "decode_escapes",
@@ -111,7 +113,7 @@ def exception_from_payload(message: str, tb: str, pickled_type: bytes) -> BaseEx
     """Rebuild the remote exception with its original type (as the reference does)."""
     error: BaseException
     try:
-        exc_type: Any = pickle.loads(pickled_type)
+        exc_type: Any = restricted_loads(pickled_type)  # (the allow-list applies, if any)
     except Exception:
         exc_type = RuntimeError
     if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):

@@ -4,8 +4,8 @@ tracks references, RRefs, says which and when; see ``_layer``), runs, and is ans
 result encoded as a response, or its error as an error reply); a one-way notification runs its
 handler where it is marked to.
 
-:class:`Serving` is a part of :class:`~distgrad._rpc._core._agent.RpcAgent`; the attributes it
-declares are the agent's."""
+:class:`Serving` is a stage of :class:`~distgrad._rpc._core._agent.RpcAgent`, given what it uses
+(the agent's running state, ``_shared``)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,29 @@ import logging
 import pickle
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..._devices._backend import Arrivals, Process, take_arrivals
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import Link, MessageInfo
+from ..._wire._choice import current_guard
 from ..._wire._frames import Frame, Kind
+from ..._wire._guard import RefusedError
 from ..._wire._pickler import decode, dumps, encode, loads
 from . import _layer, _profiling
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
+from ._lane import SerialLane
+from ._layer import LayerAgent
 from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
-from ._statistics import AgentState, StatisticsRecorder
+from ._shared import Shared
+from ._statistics import StatisticsRecorder
 from ._torchscript import is_script_function
-from ._worker_info import WorkerInfo
 
 __all__ = ["Serving"]
 
@@ -39,29 +44,50 @@ _log = logging.getLogger("distgrad.rpc")
 
 
 class Serving:
-    """Requests in, replies out (a part of the agent)."""
+    """Requests in, replies out: a stage of the agent, which makes it and hands it what it
+    uses. It owns the count of ``@async_execution`` requests pending and the GIL-wait timing
+    (``rpc.enable_gil_profiling``)."""
 
-    worker_info: WorkerInfo
-    rpc_timeout: float
-    layer_state: dict[object, object]
-    _describe: bool
-    _codec: Codec
-    _active_lock: threading.Lock
-    _serving_async: int
-    _gil_profiling: bool
-    _gil_wait: list[float]
-    _workers: ThreadPool
-    state: AgentState
-    _stats: StatisticsRecorder
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        agent: LayerAgent,
+        codec: Codec,
+        workers: ThreadPool,
+        lane: SerialLane,
+        stats: StatisticsRecorder,
+        blocking: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> None:
+        self._shared = shared
+        #: the agent, as the layers above know it (their hooks are handed it)
+        self._agent = agent
+        self._codec = codec
+        #: where requests run
+        self._workers = workers
+        #: where one-way messages with device tensors are decoded, off the I/O thread
+        self._lane = lane
+        self._stats = stats
+        #: a block that waits for other workers (frees the worker's pool slot meanwhile)
+        self._blocking = blocking
+        self._lock = threading.Lock()
+        #: ``@async_execution`` requests whose future is pending
+        self.serving_async = 0
+        # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
+        self.gil_profiling = False
+        self.gil_wait = [0.0, 0]  # seconds in all, requests
 
-    if TYPE_CHECKING:
-
-        def blocking(self) -> contextlib.AbstractContextManager[None]: ...
+    def enable_gil_profiling(self, flag: bool) -> None:
+        """Time each request's wait for a thread (see ``RpcAgent.enable_gil_profiling``):
+        turning it on resets the figures, turning it off keeps them."""
+        if flag and not self.gil_profiling:
+            self.gil_wait = [0.0, 0]
+        self.gil_profiling = bool(flag)
 
     # -- receive (I/O thread) --------------------------------------------------------------------
-    def _on_request(self, conn: Link, frame: Frame) -> None:
+    def on_request(self, conn: Link, frame: Frame) -> None:
         try:
-            if self._gil_profiling:
+            if self.gil_profiling:
                 self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
             else:
                 self._workers.submit(self._serve, conn, frame)
@@ -70,14 +96,32 @@ class Serving:
                 conn,
                 frame.message_id,
                 RpcShutdownError(
-                    f"{self.worker_info.name} is shutting down and takes no more requests"
+                    f"{self._shared.worker_info.name} is shutting down and takes no more requests"
                 ),
             )
 
-    def _on_notify(self, conn: Link, frame: Frame) -> None:
+    def on_notify(self, conn: Link, frame: Frame) -> None:
+        lane = self._lane
+        if (frame.buffers and self._codec.backend.name != "cpu") or lane.busy():
+            # device tensors may be in it: decode off the I/O thread, in order (``_lane``)
+            try:
+                lane.submit(self._handle_notification, conn, frame)
+            except RuntimeError:  # stopped: as a notification for a stopped agent
+                pass
+            return
+        self._handle_notification(conn, frame)
+
+    def _handle_notification(self, conn: Link, frame: Frame) -> None:
         try:
             func, args = loads(frame.meta, frame.buffers, frame.flags)
+            guard = current_guard()
+            if guard is not None:  # the allow-list: one-way messages are distgrad's own
+                guard.check_call(func)
         except BaseException as exc:
+            if Process.seen:
+                take_arrivals()  # a decode that failed halfway: forget what it put on devices
+            if isinstance(exc, RefusedError):
+                self._stats.refused(conn.peer)
             _log.warning(
                 "dropped a notification from %s: cannot unpickle it: %r", conn.peer_label, exc
             )
@@ -86,7 +130,7 @@ class Serving:
             self._codec.backend.settle(take_arrivals())
         if getattr(func, "_distgrad_on_io_thread", False):
             self._run_notification(func, args)
-        elif self.state.stopped:
+        elif self._shared.state.stopped:
             return
         elif getattr(func, "_distgrad_after_current", False):
             self._workers.submit_after_current(self._run_notification, func, args)
@@ -104,9 +148,9 @@ class Serving:
     def _serve_timed(self, conn: Link, frame: Frame, arrived: float) -> None:
         """:meth:`_serve`, counting the wait since ``arrived`` (``enable_gil_profiling``)."""
         waited = time.perf_counter() - arrived
-        with self._active_lock:
-            self._gil_wait[0] += waited
-            self._gil_wait[1] += 1
+        with self._lock:
+            self.gil_wait[0] += waited
+            self.gil_wait[1] += 1
         self._serve(conn, frame)
 
     def _serve(self, conn: Link, frame: Frame) -> None:
@@ -130,25 +174,35 @@ class Serving:
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
             )
         except BaseException as exc:
-            if isinstance(exc, (AttributeError, ImportError)):
+            if isinstance(exc, RefusedError):  # the allow-list: the error names what and why
+                error: BaseException = exc
+                self._stats.refused(conn.peer)
+            elif isinstance(exc, (AttributeError, ImportError)):
                 error = RuntimeError(f"{UDF_MISSING} ({exc!r})")
-                report_udf_error(error, str(self.worker_info))
+                report_udf_error(error, str(self._shared.worker_info))
             else:
                 error = RuntimeError(f"could not unpickle the request: {exc!r}")
             unrun: BaseException | None = error
         else:
             unrun = None
+            guard = current_guard()
+            if guard is not None:  # the allow-list: may a peer run this function here?
+                try:
+                    guard.check_call(func)
+                except RefusedError as exc:
+                    self._stats.refused(conn.peer)
+                    unrun = exc
         finally:
             collected = references.stop_collecting(previous) if references is not None else None
             arrivals = take_arrivals() if Process.seen else None
-        if self._describe and unrun is None:  # replies go out described (fault injection)
+        if self._shared.describe and unrun is None:  # replies go out described (fault injection)
             wrapped = bool(states) and states[0] is not None
             conn = _ReplyLink(conn, describe_request(func, args, wrapped=wrapped))
         if unrun is None and collected:  # RRefs in the arguments: run once owners know them
             assert references is not None
             try:
-                timeout = self.rpc_timeout if self.rpc_timeout > 0 else None
-                with self.blocking():
+                timeout = self._shared.rpc_timeout if self._shared.rpc_timeout > 0 else None
+                with self._blocking():
                     references.wait_usable(collected, timeout)
             except BaseException as exc:
                 unrun = exc
@@ -156,7 +210,7 @@ class Serving:
             # Failed before the function ran. A remote() creation's error is its value's (as
             # if the function had raised it), and the creation is answered: a to_here()
             # already on its way raises it instead of waiting for a value never set.
-            if references is not None and references.fail_unrun(self, unrun):
+            if references is not None and references.fail_unrun(self._agent, unrun):
                 self._reply(conn, frame.message_id, None, None)
             else:
                 self._reply_error(conn, frame.message_id, unrun)
@@ -228,7 +282,7 @@ class Serving:
                 if not isinstance(exc, RuntimeError):
                     exc = RuntimeError(str(exc))
             if not builtin:  # as the reference's callee: a Python function's error is printed
-                report_udf_error(exc, str(self.worker_info))
+                report_udf_error(exc, str(self._shared.worker_info))
             self._reply_error(conn, frame.message_id, exc, builtin=builtin)
             return
         self._reply(conn, frame.message_id, result, state)
@@ -244,12 +298,12 @@ class Serving:
         arrivals: Arrivals | None = None,
     ) -> None:
         future = check_async_result(func(*args, **(kwargs or {})))
-        with self._active_lock:
-            self._serving_async += 1
+        with self._lock:
+            self.serving_async += 1
 
         def respond(done: torch.futures.Future[Any]) -> None:
-            with self._active_lock:
-                self._serving_async -= 1
+            with self._lock:
+                self.serving_async -= 1
             if arrivals is not None:  # the reply is staged after the request's device work
                 self._codec.backend.join_current(arrivals)
             try:
@@ -294,7 +348,7 @@ class Serving:
     def _reply_error(
         self, conn: Link, message_id: int, exc: BaseException, *, builtin: bool = False
     ) -> None:
-        payload = error_payload(exc, str(self.worker_info), builtin)
+        payload = error_payload(exc, str(self._shared.worker_info), builtin)
         self._write(conn, Kind.ERROR, message_id, dumps(payload)[0])
 
     def _write(

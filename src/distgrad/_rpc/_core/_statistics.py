@@ -46,6 +46,8 @@ class PeerStatistics:
     requests_served: int = 0
     #: requests answered with an error reply
     requests_failed: int = 0
+    #: requests and one-way messages refused by this worker's allow-list (``allowed_calls``)
+    requests_refused: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -85,6 +87,10 @@ class AgentStatistics:
         return sum(p.requests_failed for p in self.peers.values())
 
     @property
+    def requests_refused(self) -> int:
+        return sum(p.requests_refused for p in self.peers.values())
+
+    @property
     def bytes_sent(self) -> int:
         return sum(p.bytes_sent for p in self.peers.values())
 
@@ -94,7 +100,7 @@ class AgentStatistics:
 
 
 # indices into a peer's counter list
-_SENT, _FAILED, _SERVED, _SERVE_FAILED, _OUT, _IN, _RESENT = range(7)
+_SENT, _FAILED, _SERVED, _SERVE_FAILED, _OUT, _IN, _RESENT, _REFUSED = range(8)
 
 
 class StatisticsRecorder:
@@ -112,7 +118,7 @@ class StatisticsRecorder:
         inline its common case: ``self._peers.get(peer) or self._counters(peer)``."""
         counters = self._peers.get(peer)
         if counters is None:
-            counters = self._peers.setdefault(peer, [0] * 7)
+            counters = self._peers.setdefault(peer, [0] * 8)
         return counters
 
     def sent(self, peer: int, nbytes: int) -> None:
@@ -140,6 +146,11 @@ class StatisticsRecorder:
         with self._lock:
             (self._peers.get(peer) or self._counters(peer))[_IN] += nbytes
 
+    def refused(self, peer: int) -> None:
+        """A message from ``peer`` was refused by the allow-list."""
+        with self._lock:
+            self._counters(peer)[_REFUSED] += 1
+
     def replied(self, peer: int, nbytes: int, *, failed: bool) -> None:
         """A request from ``peer`` was answered."""
         with self._lock:
@@ -160,6 +171,7 @@ class StatisticsRecorder:
                 calls_resent=c[_RESENT],
                 requests_served=c[_SERVED],
                 requests_failed=c[_SERVE_FAILED],
+                requests_refused=c[_REFUSED],
                 bytes_sent=c[_OUT],
                 bytes_received=c[_IN],
             )

@@ -16,7 +16,7 @@ from collections import defaultdict
 from typing import Any
 
 from ..._errors import DistgradError, PeerFailureError, RpcTimeoutError
-from .._core._agent import RpcAgent, current_agent
+from .._core import RpcAgent, current_agent
 
 __all__ = ["all_gather", "all_gather_survivors", "barrier", "wait_all_workers"]
 

@@ -32,10 +32,7 @@ from ... import _config
 from ..._devices._maps import plan_devices
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import PeerAddress
-from .._core._agent import RpcAgent, current_agent
-from .._core._options import TensorPipeRpcBackendOptions
-from .._core._statistics import AgentState
-from .._core._worker_info import WorkerInfo
+from .._core import AgentState, RpcAgent, TensorPipeRpcBackendOptions, WorkerInfo, current_agent
 from . import _rendezvous
 from ._lease import LeaseLostError, MembershipLease
 

@@ -17,17 +17,19 @@ from ... import _config
 from ..._transport._base import TransportFactory
 from ..._transport._faulty import FaultyTransport
 from ..._transport._transport import SocketTransport
-from .._core._agent import RpcAgent, current_agent, set_current_agent
-from .._core._options import (
+from .._core import (
     BackendType,
     FaultyTensorPipeRpcBackendOptions,
+    RpcAgent,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     construct_rpc_backend_options,
+    current_agent,
     infer_backend,
     is_backend_type,
+    set_current_agent,
+    validate_worker_name,
 )
-from .._core._worker_info import validate_worker_name
 from .._rrefs import _layer as _rref_layer
 from . import _dynamic, _rendezvous
 from ._shutdown import _register_exit_hook

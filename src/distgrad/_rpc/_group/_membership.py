@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._core._agent import RpcAgent, current_agent
-from .._core._events import MembershipEvent
-from .._core._worker_info import WorkerInfo
+from .._core import MembershipEvent, RpcAgent, WorkerInfo, current_agent
 
 __all__ = ["add_membership_listener", "members", "remove_membership_listener"]
 

@@ -21,8 +21,7 @@ import torch.distributed as dist
 from ... import _config
 from ..._devices._maps import DevicePlan, plan_devices
 from ..._transport._transport import PeerAddress
-from .._core._options import TensorPipeRpcBackendOptions
-from .._core._worker_info import WorkerInfo
+from .._core import TensorPipeRpcBackendOptions, WorkerInfo
 from ._addresses import listen_host_for
 
 __all__ = [

@@ -11,8 +11,7 @@ import time
 
 from ... import _config
 from ..._errors import RpcTimeoutError
-from .._core import _layer
-from .._core._agent import RpcAgent, current_agent, require_agent, set_current_agent
+from .._core import RpcAgent, current_agent, require_agent, set_current_agent, shutting_down
 from .._rrefs._rref_context import context_of, leaks_of
 from . import _collectives, _dynamic
 
@@ -100,7 +99,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                 return left
 
             _collectives.all_gather_survivors(None, remaining())
-            _layer.shutting_down(agent)
+            shutting_down(agent)
             context_of(agent).delete_all_users(_rref_drain_timeout(agent, deadline))
             while True:
                 agent.wait_until_idle(deadline)
@@ -120,7 +119,7 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
         if graceful:
             deadline = time.monotonic() + timeout if timeout > 0 else None
             agent.wait_until_idle(deadline)
-            _layer.shutting_down(agent)
+            shutting_down(agent)
             # Users elsewhere of what this member owns are not waited for: they cannot let go
             # before they learn it leaves; from then on they fail, naming it as departed.
             context_of(agent).delete_all_users(

@@ -19,8 +19,7 @@ from typing import Any, ClassVar
 
 from ..._errors import RpcTimeoutError, rpc_timeout_message
 from ..._wire._pickler import register_reducer
-from .._core._agent import RpcAgent
-from .._core._layer import LayerAgent, RpcLayer, register_layer
+from .._core import LayerAgent, RpcAgent, RpcLayer, register_layer
 from ._rref import BY_HAND, RRef
 from ._rref_context import RRefContext, context_of, stop_context
 from ._rref_fork import _reduce_rref, deserialize_rref, serialize_rref

@@ -29,9 +29,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._core._agent import RpcAgent, bind_thread, current_agent
-from .._core._functions import on_io_thread
-from .._core._messages import describe_request, function_name, message_type
+from .._core import (
+    RpcAgent,
+    bind_thread,
+    current_agent,
+    describe_request,
+    function_name,
+    message_type,
+    on_io_thread,
+)
 
 __all__ = ["Outbox", "outbox_of"]
 

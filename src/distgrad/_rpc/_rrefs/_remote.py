@@ -15,13 +15,17 @@ from typing import Any
 import torch
 
 from ..._errors import InjectedFailureError, RpcTimeoutError
-from .._core import _profiling
-from .._core._agent import RpcAgent
-from .._core._calls import is_builtin, set_future_error
-from .._core._functions import async_execution
-from .._core._messages import is_script, message_type
-from .._core._remote_error import report_udf_error
-from .._core._worker_info import WorkerInfo
+from .._core import (
+    RpcAgent,
+    WorkerInfo,
+    async_execution,
+    is_builtin,
+    is_script,
+    message_type,
+    report_udf_error,
+    set_future_error,
+)
+from .._core import profiling as _profiling
 from ._rref_context import GloballyUniqueId, OwnerValue, RemoteCreation, RRefContext, context_of
 from ._rref_owner import _agent_or_raise, _done_future
 from ._rref_values import UserHandle

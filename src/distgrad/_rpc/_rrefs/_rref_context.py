@@ -39,9 +39,7 @@ from typing import Any, cast
 
 import torch
 
-from .._core._agent import RpcAgent, current_agent
-from .._core._functions import on_io_thread
-from .._core._messages import message_type
+from .._core import RpcAgent, current_agent, message_type, on_io_thread
 from ._outbox import outbox_of
 from ._rref_values import RREF_TIMED_OUT, GloballyUniqueId, OwnerValue, UserHandle
 

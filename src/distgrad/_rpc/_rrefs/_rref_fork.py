@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._core import _delivery
+from .._core import delivery as _delivery
 from ._rref import RRef, SerializedRRef
 from ._rref_context import GloballyUniqueId, context_of
 from ._rref_owner import _agent_or_raise

@@ -7,10 +7,7 @@ from typing import Any
 
 import torch
 
-from .._core import _layer
-from .._core._agent import RpcAgent, current_agent
-from .._core._functions import async_execution
-from .._core._messages import message_type
+from .._core import RpcAgent, async_execution, call_recorder, current_agent, message_type
 from ._rref_context import GloballyUniqueId, OwnerValue, context_of
 
 _NO_AGENT = (
@@ -40,7 +37,7 @@ def _owner_backward(value: Any, context_id: int, retain_graph: bool) -> None:
     if context_id == -1:
         torch.autograd.backward([value], retain_graph=retain_graph)
         return
-    recorder = _layer.call_recorder()  # distributed autograd (RPC never imports it)
+    recorder = call_recorder()  # distributed autograd (RPC never imports it)
     if recorder is None:
         raise RuntimeError("distributed autograd is not available (import distgrad.autograd)")
     recorder.backward(context_id, [value], retain_graph)

@@ -18,10 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ..._errors import PeerFailureError
-from .._core._agent import require_agent
-from .._core._calls import failed_future, set_future_error
-from .._core._functions import async_execution
-from .._core._worker_info import WorkerInfo
+from .._core import WorkerInfo, async_execution, failed_future, require_agent, set_future_error
 
 __all__ = ["ProxyTarget", "RRefProxy"]
 

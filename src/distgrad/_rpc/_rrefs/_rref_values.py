@@ -12,8 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._core._calls import set_future_error
-from .._core._worker_info import WorkerInfo
+from .._core import WorkerInfo, set_future_error
 
 __all__ = ["RREF_TIMED_OUT", "GloballyUniqueId", "OwnerValue", "UserHandle"]
 

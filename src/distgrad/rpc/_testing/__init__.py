@@ -7,7 +7,7 @@ is :mod:`distgrad.testing`; see docs/testing-fault-tolerance.md.
 
 from __future__ import annotations
 
-from ..._rpc._core._options import FaultyTensorPipeRpcBackendOptions, register_faulty_backend
+from ..._rpc._core import FaultyTensorPipeRpcBackendOptions, register_faulty_backend
 
 __all__ = ["FaultyTensorPipeRpcBackendOptions", "is_available"]
 
