@@ -12,6 +12,7 @@ Usage: python fairscale_pipeline.py PORT OUT_DIR CASE   (CASE: layers | auto_gra
 """
 
 import json
+import math
 import os
 import sys
 
@@ -32,13 +33,17 @@ DEVICES = ["worker0/cpu", "worker1/cpu"]
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` initialised from its own seed: the same parameters on whichever worker,
-    whatever else used the worker's random generator before."""
+    """``nn.Linear`` initialised (as ``nn.Linear`` is) from a generator of its own seed: the same
+    parameters on whichever worker, whatever other threads do with the global generator
+    meanwhile (RemoteModules are created concurrently on the workers' threads)."""
 
     def __init__(self, seed, *args):
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            super().__init__(*args)
+        super().__init__(*args)
+        generator = torch.Generator().manual_seed(seed)
+        bound = 1 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound, generator=generator)
+            self.bias.uniform_(-bound, bound, generator=generator)
 
 
 class ConcatenateTensors(nn.Module):
@@ -101,9 +106,8 @@ def auto_graph_pipeline():
 
 
 def train(case, out_dir):
-    torch.random.manual_seed(3)
     criterion = DistributedLoss(torch.nn.MSELoss)
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
     pipe = layers_pipeline() if case == "layers" else auto_graph_pipeline()
     parameter_rrefs = pipe.parameter_rrefs()
     opt = DistributedOptimizer(torch.optim.SGD, parameter_rrefs, lr=0.05)
