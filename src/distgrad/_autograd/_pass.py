@@ -532,6 +532,7 @@ class Pass:
             self.ctx.pass_state = None
         self.ctx.ended_passes.add(self.pass_id)
         self._keep.clear()
+        self.waiting = {}  # (gradients that never ran: a failed pass, or nodes leading nowhere)
         with _PASSES_LOCK:
             _ALL_PASSES.discard(self)
 
