@@ -179,6 +179,7 @@ class _Call:
         "error",
         "frame",
         "future",
+        "held",
         "internal",
         "lock",
         "sending",
@@ -205,6 +206,8 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: its sender holds the connection's read role, to read the answer itself
+        self.held = False
         #: its sender is writing the request: a loss of the link meanwhile is the sender's to
         #: judge (the frame may not have left: it is then sent again), not the I/O thread's
         self.sending = True
