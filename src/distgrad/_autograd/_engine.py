@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any
 
 import torch
 
 from .._errors import RpcTimeoutError, rpc_timeout_message
 from .._rpc._core import async_execution, current_agent, on_io_thread
+from . import _metrics
 from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
 from ._pass import (
@@ -87,11 +89,19 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     """Run the backward pass of ``roots`` across every worker of the context; block until the
     whole pass finished. Gradients accumulate in the context (``get_gradients``). Under a
     profiler, the pass is the range ``torch::distributed::autograd::backward`` as in torch."""
-    if _profiler_enabled():
-        with torch.autograd.profiler.record_function(BACKWARD_RANGE):
+    started = time.perf_counter()
+    failed = True
+    try:
+        if _profiler_enabled():
+            with torch.autograd.profiler.record_function(BACKWARD_RANGE):
+                _backward(context_id, roots, retain_graph)
+        else:
             _backward(context_id, roots, retain_graph)
-    else:
-        _backward(context_id, roots, retain_graph)
+        failed = False
+    finally:
+        if CONTAINER.initialized:
+            seconds = time.perf_counter() - started
+            _metrics.pass_ended(CONTAINER.worker_id, seconds, failed=failed)
 
 
 def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:

@@ -15,6 +15,7 @@ import torch
 from .._errors import DistgradError
 from .._rpc._core import current_agent, set_future_error
 from .._rpc._core import profiling as _profiling
+from . import _metrics
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,
@@ -342,6 +343,7 @@ class Pass:
         self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool
     ) -> None:
         record = state.record
+        _metrics.gradients_sent(self.worker_id, grads)
         update = GradUpdate(record.msg_id, grads, final, state.sent)
         message = GradMessage(
             self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update

@@ -393,6 +393,7 @@ class RpcAgent:
 
     def _membership_event(self, kind: MembershipKind, info: WorkerInfo, incarnation: int) -> None:
         event = MembershipEvent(kind, info, incarnation, time.time())
+        self._stats.membership(kind)
         _log.info("membership: %s", event)
         for listener in list(self.membership_listeners):
             self._callbacks.submit(listener, event)
@@ -520,7 +521,17 @@ class RpcAgent:
             requests_in_flight=self._workers.busy(),
             peers=self._stats.peers(names),
             transport=self._transport.statistics() if self._transport is not None else None,
+            membership=self._stats.membership_counts(),
+            uptime=self._stats.uptime,
+            layers=self._layer_metrics(),
         )
+
+    def _layer_metrics(self) -> dict[str, float]:
+        previous = bind_thread(self)
+        try:
+            return _layer.layer_metrics(self)
+        finally:
+            bind_thread(previous)
 
     def __repr__(self) -> str:
         info = self.worker_info

@@ -178,12 +178,14 @@ class _Call:
         "conn",
         "error",
         "frame",
+        "function",
         "future",
         "internal",
         "lock",
         "sending",
         "settle",
         "slot",
+        "started",
         "timeout",
     )
 
@@ -205,6 +207,10 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: what it is counted under (``_statistics.function_label``), and when it was made
+        #: (``time.perf_counter()``): the agent's metrics
+        self.function = ""
+        self.started = 0.0
         #: its sender is writing the request: a loss of the link meanwhile is the sender's to
         #: judge (the frame may not have left: it is then sent again), not the I/O thread's
         self.sending = True

@@ -40,7 +40,7 @@ from ._messages import describe_request
 from ._pool import ThreadPool, member_pool
 from ._remote_error import exception_from_payload
 from ._shared import Shared
-from ._statistics import StatisticsRecorder
+from ._statistics import OTHER, PEER_FAILURE, REMOTE, TIMEOUT, StatisticsRecorder, function_label
 from ._worker_info import WorkerInfo
 
 __all__ = ["Outgoing"]
@@ -101,7 +101,13 @@ class Outgoing:
         if self._shared.state.stopped:
             raise self._shared.stopped_error("REQUEST")
         assert self._shared.transport is not None
-        conn = self._shared.transport.connection(dst.id)
+        try:
+            conn = self._shared.transport.connection(dst.id)
+        except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
+            self._stats.sent(dst.id, 0)
+            function = function_label(payload[0])
+            self._stats.answered(dst.id, 0, failed=True, function=function, outcome=PEER_FAILURE)
+            raise
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
         made: list[CallRecord | None] = []  # the extension's ext, once made
@@ -141,6 +147,8 @@ class Outgoing:
             internal=internal,
             callback=callback,
         )
+        call.function = function_label(payload[0])
+        call.started = time.perf_counter()
         if settle:
             call.settle = settle
         if not internal:
@@ -170,7 +178,7 @@ class Outgoing:
                 )
         except FrameNotSentError as exc:
             if calls.pop(cid) is not None:
-                self._done(call)
+                self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, False)
             raise PeerFailureError(
                 f"{exc} (the request was not sent: it was tried again on a new connection, "
@@ -190,7 +198,7 @@ class Outgoing:
         # out before this one was in, or while it was being written (see _call_table), so
         # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
-            self._done(call)
+            self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
         return call
@@ -203,8 +211,8 @@ class Outgoing:
             if self._shared.state.stopped:
                 raise self._shared.stopped_error("REQUEST")
             conn = self._shared.transport.connection(dst.id)
-        except BaseException:
-            self._done(call)
+        except BaseException as exc:
+            self._done(call, PEER_FAILURE if isinstance(exc, PeerFailureError) else OTHER)
             raise
         _log.debug("resending call %d to %s on a new connection: %s", call.cid, dst.name, error)
         self._stats.resent(dst.id)
@@ -248,7 +256,7 @@ class Outgoing:
             if call.timeout > 0:
                 if not lock.acquire(timeout=call.timeout):
                     if self.calls.pop(call.cid) is not None:
-                        self._done(call)
+                        self._done(call, TIMEOUT)
                         _delivery.run_failure_callbacks(call.settle, True)
                         raise RpcTimeoutError(rpc_timeout_message(call.timeout))
                     lock.acquire()  # completed while we timed out: take the result
@@ -431,17 +439,42 @@ class Outgoing:
         except BaseException:
             _log.exception("unhandled error in the answer handler of an internal call")
 
-    def _done(self, call: _Call) -> None:
-        """Count a call that ended (taken out of the table)."""
+    def _done(self, call: _Call, outcome: int = OTHER) -> None:
+        """Count a call that ended (taken out of the table): ``outcome`` says how where
+        neither its answer nor its error does."""
+        seconds = time.perf_counter() - call.started
         frame = call.frame
+        error = call.error
+        if error is not None:
+            if isinstance(error, RpcTimeoutError):
+                outcome = TIMEOUT
+            elif isinstance(error, PeerFailureError):
+                outcome = PEER_FAILURE
+            else:
+                outcome = OTHER
         if frame is None:
-            self._stats.answered(call.conn.peer, 0, failed=True)
+            self._stats.answered(
+                call.conn.peer,
+                0,
+                failed=True,
+                function=call.function,
+                seconds=seconds,
+                outcome=outcome,
+            )
         else:
             size = len(frame.meta)
             if frame.buffers:
                 size += sum(buffer.nbytes for buffer in frame.buffers)
-            failed = call.error is not None or frame.kind == Kind.ERROR
-            self._stats.answered(call.conn.peer, size, failed=failed)
+            if error is None:
+                outcome = REMOTE if frame.kind == Kind.ERROR else 0
+            self._stats.answered(
+                call.conn.peer,
+                size,
+                failed=outcome != 0,
+                function=call.function,
+                seconds=seconds,
+                outcome=outcome,
+            )
         if not call.internal:
             with self._active_lock:
                 self._active -= 1
