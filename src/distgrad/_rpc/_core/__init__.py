@@ -8,7 +8,8 @@ named here is the core's own business.
   :func:`require_agent`, :func:`bind_thread`, :func:`set_current_agent`, ``thread_binding``;
 * workers and the agent's state: :class:`WorkerInfo`, :func:`validate_worker_name`,
   :class:`MembershipEvent`, :class:`AgentState`, :class:`AgentStatistics`,
-  :class:`PeerStatistics`;
+  :class:`PeerStatistics`, :class:`FunctionStatistics` and the metrics' fixed
+  ``LATENCY_BOUNDS`` and ``OUTCOMES``;
 * futures and functions (``_calls``, ``_functions``, ``_torchscript``, ``_messages``): what a
   call's future is and how it fails, ``@async_execution`` and the internal handlers' marks,
   TorchScript targets, message types;
@@ -68,11 +69,20 @@ from ._options import (
     register_faulty_backend,
 )
 from ._remote_error import RemoteTraceback, report_udf_error
-from ._statistics import AgentState, AgentStatistics, PeerStatistics
+from ._statistics import (
+    LATENCY_BOUNDS,
+    OUTCOMES,
+    AgentState,
+    AgentStatistics,
+    FunctionStatistics,
+    PeerStatistics,
+)
 from ._torchscript import SCRIPT_TARGETS, as_rpc_target, rref_limit
 from ._worker_info import WorkerInfo, validate_worker_name
 
 __all__ = [
+    "LATENCY_BOUNDS",
+    "OUTCOMES",
     "SCRIPT_TARGETS",
     "AgentState",
     "AgentStatistics",
@@ -80,6 +90,7 @@ __all__ = [
     "BackendValue",
     "CallRecord",
     "FaultyTensorPipeRpcBackendOptions",
+    "FunctionStatistics",
     "KeyScope",
     "LayerAgent",
     "MembershipEvent",

@@ -177,6 +177,8 @@ class RpcAgent:
         #: per-worker state of the layers above (keyed by the layer's key): RRefs keep their
         #: tables here; autograd its contexts, for isolated agents
         self.layer_state: dict[object, object] = {}
+        #: the cluster secret, once the transport started (the metrics endpoint's guard)
+        self.secret: bytes | None = None
         #: what the stages share: the state, the transport once started, the default timeout
         self._shared = Shared(self.worker_info, options.rpc_timeout)
         self._io = IoThread(on_start=bind)
@@ -315,6 +317,7 @@ class RpcAgent:
             incarnation=self.incarnation,
             dynamic=self.dynamic,
         )
+        self.secret = secret
         _layer.agent_starting(self)
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
