@@ -89,19 +89,11 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     """Run the backward pass of ``roots`` across every worker of the context; block until the
     whole pass finished. Gradients accumulate in the context (``get_gradients``). Under a
     profiler, the pass is the range ``torch::distributed::autograd::backward`` as in torch."""
-    started = time.perf_counter()
-    failed = True
-    try:
-        if _profiler_enabled():
-            with torch.autograd.profiler.record_function(BACKWARD_RANGE):
-                _backward(context_id, roots, retain_graph)
-        else:
+    if _profiler_enabled():
+        with torch.autograd.profiler.record_function(BACKWARD_RANGE):
             _backward(context_id, roots, retain_graph)
-        failed = False
-    finally:
-        if CONTAINER.initialized:
-            seconds = time.perf_counter() - started
-            _metrics.pass_ended(CONTAINER.worker_id, seconds, failed=failed)
+    else:
+        _backward(context_id, roots, retain_graph)
 
 
 def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
@@ -110,6 +102,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
             "backward(): incompatible function arguments. The following argument types are "
             "supported: (context_id: int, roots: List[Tensor], retain_graph: bool = False)"
         )
+    started = time.perf_counter()
     ctx = CONTAINER.retrieve_context(context_id)
     roots = list(roots)
     _validate_roots(roots)
@@ -170,7 +163,12 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
                 current._check_done()
             except Exception as exc:
                 current.fail(exc)
-    current.done.wait()
+    try:
+        current.done.wait()
+    except BaseException:
+        _metrics.pass_ended(current.worker_id, time.perf_counter() - started, failed=True)
+        raise
+    _metrics.pass_ended(current.worker_id, time.perf_counter() - started, failed=False)
 
 
 def _lost_gradients(current: Pass, bound: float) -> RpcTimeoutError:

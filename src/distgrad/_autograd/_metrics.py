@@ -25,7 +25,7 @@ def _entry(worker: int) -> list[float]:
 def pass_ended(worker: int, seconds: float, *, failed: bool) -> None:
     """A backward pass that ``worker`` drove ended after ``seconds``."""
     with _lock:
-        entry = _entry(worker)
+        entry = _by_worker.get(worker) or _entry(worker)
         entry[0] += 1
         entry[2] += seconds
         if failed:
@@ -45,7 +45,7 @@ def gradients_sent(worker: int, grads: list[torch.Tensor] | None) -> None:
         except (RuntimeError, NotImplementedError):  # (an exotic layout: its element bytes)
             nbytes += grad.numel() * grad.element_size()
     with _lock:
-        _entry(worker)[3] += nbytes
+        (_by_worker.get(worker) or _entry(worker))[3] += nbytes
 
 
 def figures(worker: int) -> dict[str, float]:

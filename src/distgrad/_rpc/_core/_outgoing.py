@@ -40,7 +40,15 @@ from ._messages import describe_request
 from ._pool import ThreadPool, member_pool
 from ._remote_error import exception_from_payload
 from ._shared import Shared
-from ._statistics import OTHER, PEER_FAILURE, REMOTE, TIMEOUT, StatisticsRecorder, function_label
+from ._statistics import (
+    FUNCTION_LABELS,
+    OTHER,
+    PEER_FAILURE,
+    REMOTE,
+    TIMEOUT,
+    StatisticsRecorder,
+    function_label,
+)
 from ._worker_info import WorkerInfo
 
 __all__ = ["Outgoing"]
@@ -147,7 +155,10 @@ class Outgoing:
             internal=internal,
             callback=callback,
         )
-        call.function = function_label(payload[0])
+        try:  # (the cache's common case inline: no call)
+            call.function = FUNCTION_LABELS[payload[0]]
+        except (KeyError, TypeError):
+            call.function = function_label(payload[0])
         call.started = time.perf_counter()
         if settle:
             call.settle = settle

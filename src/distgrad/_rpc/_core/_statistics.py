@@ -15,6 +15,7 @@ from typing import Any
 from ..._transport._base import TransportStatistics
 
 __all__ = [
+    "FUNCTION_LABELS",
     "LATENCY_BOUNDS",
     "OUTCOMES",
     "AgentState",
@@ -179,20 +180,20 @@ _SECONDS = len(OUTCOMES)
 _BUCKETS = _SECONDS + 1
 _ENTRY = _BUCKETS + len(LATENCY_BOUNDS) + 1
 
-#: function -> its label (bounded; the common functions of a job)
-_labels: dict[Any, str] = {}
+#: function -> its label (bounded; the common functions of a job); ``Outgoing`` reads it inline
+FUNCTION_LABELS: dict[Any, str] = {}
 
 
 def function_label(func: Any) -> str:
     """The name a call of ``func`` is counted under (``module.qualname``), cached."""
     try:
-        label = _labels.get(func)
+        label = FUNCTION_LABELS.get(func)
     except TypeError:  # an unhashable callable
         return _name(func)
     if label is None:
         label = _name(func)
-        if len(_labels) < 4096:
-            _labels[func] = label
+        if len(FUNCTION_LABELS) < 4096:
+            FUNCTION_LABELS[func] = label
     return label
 
 
