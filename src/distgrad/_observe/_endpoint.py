@@ -32,6 +32,7 @@ from .._rpc._core import RpcAgent, RpcLayer, bind_thread, current_agent, registe
 from . import _exposition
 
 __all__ = [
+    "ASK_TIMEOUT",
     "ENV_METRICS_ADDR",
     "FRESH",
     "REQUEST_TIMEOUT",
@@ -52,7 +53,7 @@ REQUEST_TIMEOUT = 2.0
 #: seconds a rendered snapshot is served again to the next requests
 FRESH = 0.25
 #: seconds to wait for a peer's answer to the endpoint-address question
-ASK_TIMEOUT = 2.0
+ASK_TIMEOUT = 1.0
 
 
 def token(secret: bytes) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._config import ENV_SECRET
-from ._endpoint import token
+from ._endpoint import ASK_TIMEOUT, token
 
 __all__ = ["Sample", "add_parser", "fetch", "render", "run", "summarize"]
 
@@ -95,14 +95,18 @@ def discover(client: _Client, addresses: Sequence[str]) -> dict[str, str]:
     """member name -> endpoint address: those the given endpoints know of, or the addresses
     themselves (named by their address) if none answers."""
     found: dict[str, str] = {}
+    patient = _Client.__new__(_Client)  # (a member asks its peers first: a longer bound)
+    patient.__dict__.update(client.__dict__, timeout=client.timeout + ASK_TIMEOUT + 0.5)
     for address in addresses:
         try:
-            members = client.get(address, "/members")
+            members = patient.get(address, "/members")
         except OSError:
             continue
         for name, member_address in members.items():
             if member_address:
                 found.setdefault(name, member_address)
+            elif name not in found:
+                found[name] = ""  # a member that did not say where: shown, not asked
     for address in addresses:
         if address not in found.values():
             found[address] = address
@@ -114,6 +118,10 @@ def fetch(client: _Client, members: dict[str, str]) -> dict[str, Sample]:
     results: dict[str, Sample] = {}
 
     def one(name: str, address: str) -> None:
+        if not address:
+            results[name] = {"error": "no answer: its endpoint address is not known yet"}
+            results[name]["address"] = "?"
+            return
         try:
             results[name] = client.get(address, "/json")
         except OSError as exc:
