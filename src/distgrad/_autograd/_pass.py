@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,6 +16,7 @@ import torch
 from .._errors import DistgradError
 from .._rpc._core import current_agent, set_future_error
 from .._rpc._core import profiling as _profiling
+from .._rpc._core import tracing as _tracing
 from . import _metrics
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
@@ -178,6 +180,10 @@ class Pass:
         self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
         #: leaves whose gradient meets hooks, by id: they are accumulated once per pass
         self.hooked: dict[int, HookedLeaf] = {}
+        #: this worker's part of the pass as a span of the pass's trace (calls traced only)
+        self.span: _tracing.Span | None = None
+        if _tracing.active:
+            self.span = _pass_span(pass_id, self.worker_id)
 
     # -- joining -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -375,6 +381,23 @@ class Pass:
             raise BackwardError(
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
+        if self.span is not None:  # its messages are calls of the pass's trace
+            previous = _tracing.set_current(self.span)
+            try:
+                self._send_message(agent, worker, func, args, device_map)
+            finally:
+                _tracing.set_current(previous)
+            return
+        self._send_message(agent, worker, func, args, device_map)
+
+    def _send_message(
+        self,
+        agent: Any,
+        worker: int,
+        func: Any,
+        args: tuple[Any, ...],
+        device_map: dict[torch.device, torch.device] | None,
+    ) -> None:
         if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
             self._message_profiled(agent, worker, func, args)
             return
@@ -482,13 +505,16 @@ class Pass:
     def fail(self, error: BaseException) -> None:
         if self.finished:
             return
-        self._finish()
+        self._finish("error")
         detail = str(error) if str(error) else repr(error)
         failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
         set_future_error(self.done, failure)
 
-    def _finish(self) -> None:
+    def _finish(self, status: str = "ok") -> None:
         self.finished = True
+        if self.span is not None:
+            self.span.end(status)
+            self.span = None
         if self.driver is not None:
             self.driver.put(None)  # wake the driving thread
         if self.ctx.pass_state is self:
@@ -504,3 +530,21 @@ class Pass:
             if key != ROOT and not source.resolved and self.ctx.send_functions[key].dst == worker:
                 return True
         return False
+
+
+def _pass_span(pass_id: tuple[int, int], worker: int) -> _tracing.Span:
+    """This worker's span of the pass ``pass_id``: the trace's root on the worker that drives
+    it, a child of that root elsewhere (ids derived from the pass id: ``pass_trace``)."""
+    agent = current_agent()
+    trace_id, root = _tracing.pass_trace(pass_id)
+    driver = pass_id[0] == worker
+    return _tracing.Span(
+        name="distgrad.autograd.backward" if driver else "distgrad.autograd.backward part",
+        trace_id=trace_id,
+        span_id=root if driver else _tracing.new_span_id(),
+        parent_id=None if driver else root,
+        kind="internal",
+        worker=agent.worker_info.name if agent is not None else str(worker),
+        start_ns=time.time_ns(),
+        attributes={"distgrad.pass_id": f"{pass_id[0]}:{pass_id[1]}"},
+    )

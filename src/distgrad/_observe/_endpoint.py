@@ -4,7 +4,8 @@
 
 * ``/metrics``: Prometheus' text format (``_exposition.prometheus_text``);
 * ``/json``: the same figures as JSON (what ``distgrad top`` reads);
-* ``/members``: every member's endpoint address, asked of each over RPC (once, then kept).
+* ``/members``: every member's endpoint address, asked of each over RPC (once, then kept);
+* ``/traces``: its finished spans (when calls are traced: ``DISTGRAD_TRACE=1``).
 
 Where the address is not loopback, every request must carry the bearer token derived from the
 cluster secret (:func:`token`: ``Authorization: Bearer <token>``), and with the options' TLS
@@ -28,7 +29,14 @@ import time
 from typing import Any
 
 from .._config import env_str
-from .._rpc._core import RpcAgent, RpcLayer, bind_thread, current_agent, register_layer
+from .._rpc._core import (
+    RpcAgent,
+    RpcLayer,
+    bind_thread,
+    current_agent,
+    register_layer,
+    tracing,
+)
 from . import _exposition
 
 __all__ = [
@@ -113,8 +121,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._answer(200, json.dumps(endpoint.snapshot()), "application/json")
             elif path == "/members":
                 self._answer(200, json.dumps(endpoint.members()), "application/json")
+            elif path == "/traces":
+                self._answer(200, json.dumps(endpoint.traces()), "application/json")
             else:
-                self._answer(404, "not found: try /metrics, /json or /members\n", "text/plain")
+                self._answer(
+                    404, "not found: try /metrics, /json, /members or /traces\n", "text/plain"
+                )
         except Exception as exc:  # (the agent stopping under us, say): say so, keep serving
             self._answer(503, f"the member cannot answer now: {exc!r}\n", "text/plain")
 
@@ -201,6 +213,11 @@ class MetricsEndpoint:
             snap["metrics_address"] = self.address
             self._cached = (now, snap)
             return snap
+
+    def traces(self) -> list[dict[str, Any]]:
+        """This member's finished spans kept (``_rpc._core.tracing``; empty unless traced)."""
+        name = self._agent.worker_info.name
+        return [span.as_dict() for span in tracing.finished(name)]
 
     def members(self) -> dict[str, str | None]:
         """Every member's endpoint address (None: it has none, or did not answer), asked of

@@ -21,11 +21,13 @@ named here is the core's own business.
   :class:`KeyScope`, :func:`register_layer`, :func:`call_recorder`, :func:`shutting_down`;
   and two hook modules a layer works through: ``profiling`` (``_profiling``: the profiled
   call paths, ``key_scope``, and the serving wrapper the server-side profiler sets) and
-  ``delivery`` (``_delivery``: what a request's pickled objects hear of its failure).
+  ``delivery`` (``_delivery``: what a request's pickled objects hear of its failure); and
+  ``tracing`` (``_tracing``: spans across workers, a W3C ``traceparent`` in each request).
 """
 
 from . import _delivery as delivery
 from . import _profiling as profiling
+from . import _tracing as tracing
 from ._agent import (
     RpcAgent,
     bind_thread,
@@ -134,5 +136,6 @@ __all__ = [
     "set_future_error",
     "shutting_down",
     "thread_binding",
+    "tracing",
     "validate_worker_name",
 ]

@@ -185,6 +185,7 @@ class _Call:
         "sending",
         "settle",
         "slot",
+        "span",
         "started",
         "timeout",
     )
@@ -211,6 +212,8 @@ class _Call:
         #: (``time.perf_counter()``): the agent's metrics
         self.function = ""
         self.started = 0.0
+        #: its caller's span, when calls are traced (``_tracing``)
+        self.span: Any = None
         #: its sender is writing the request: a loss of the link meanwhile is the sender's to
         #: judge (the frame may not have left: it is then sent again), not the I/O thread's
         self.sending = True

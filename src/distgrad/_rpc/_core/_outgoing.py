@@ -31,7 +31,7 @@ from ..._transport._base import Link
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _delivery, _layer, _profiling
+from . import _delivery, _layer, _profiling, _tracing
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -43,6 +43,7 @@ from ._shared import Shared
 from ._statistics import (
     FUNCTION_LABELS,
     OTHER,
+    OUTCOMES,
     PEER_FAILURE,
     REMOTE,
     TIMEOUT,
@@ -109,12 +110,20 @@ class Outgoing:
         if self._shared.state.stopped:
             raise self._shared.stopped_error("REQUEST")
         assert self._shared.transport is not None
+        span = None
+        if _tracing.active:  # the caller's span; its traceparent travels as a 4th element
+            span = _tracing.client(
+                self._shared.worker_info.name, dst.name, function_label(payload[0])
+            )
+            payload = (*payload, _tracing.traceparent(span))
         try:
             conn = self._shared.transport.connection(dst.id)
         except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
             self._stats.sent(dst.id, 0)
             function = function_label(payload[0])
             self._stats.answered(dst.id, 0, failed=True, function=function, outcome=PEER_FAILURE)
+            if span is not None:
+                span.end("peer_failure")
             raise
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
@@ -160,6 +169,7 @@ class Outgoing:
         except (KeyError, TypeError):
             call.function = function_label(payload[0])
         call.started = time.perf_counter()
+        call.span = span
         if settle:
             call.settle = settle
         if not internal:
@@ -486,6 +496,8 @@ class Outgoing:
                 seconds=seconds,
                 outcome=outcome,
             )
+        if call.span is not None:
+            call.span.end(OUTCOMES[outcome])
         if not call.internal:
             with self._active_lock:
                 self._active -= 1
