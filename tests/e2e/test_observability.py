@@ -182,6 +182,17 @@ def top_in_tmux(rank: int, world_size: int, session: str) -> dict[str, Any]:
         assert address is not None
         for _ in range(50):
             rpc.rpc_sync("worker1", double, (torch.ones(10),))
+        for _ in range(2):
+            try:
+                rpc.rpc_sync("worker2", fail)
+            except ValueError:
+                pass
+        import distgrad.autograd as dist_autograd
+
+        x = torch.ones(1000, requires_grad=True)
+        for _ in range(3):
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [rpc.rpc_sync("worker2", double, (x,)).sum()])
         tmux = ["tmux", "-L", session]
         env = f"PYTHONPATH={shlex.quote(os.environ.get('PYTHONPATH', ''))}"
         line = f"env {env} {shlex.quote(sys.executable)} -m distgrad top {address}; sleep 30"

@@ -51,9 +51,9 @@ def test_recorder_counts_outcomes_and_buckets_without_growing() -> None:
     names per peer are bounded."""
     rec = StatisticsRecorder()
     rec.sent(1, 10)
-    rec.answered(1, 5, failed=False, function="f", seconds=LATENCY_BOUNDS[3], outcome=0)
+    rec.answered(1, 5, "f", LATENCY_BOUNDS[3], 0)
     rec.sent(1, 10)
-    rec.answered(1, 0, failed=True, function="f", seconds=100.0, outcome=1)
+    rec.answered(1, 0, "f", 100.0, 1)
     stats = rec.peers({1: "w1"})["w1"]
     f = stats.functions["f"]
     assert f.outcomes == {"ok": 1, "timeout": 1, "remote": 0, "peer_failure": 0, "other": 0}
@@ -61,7 +61,7 @@ def test_recorder_counts_outcomes_and_buckets_without_growing() -> None:
     assert f.calls == 2 and f.errors == 1 and f.seconds == pytest.approx(100.0 + 2e-4)
     assert stats.calls_in_flight == 0 and (stats.bytes_sent, stats.bytes_received) == (20, 5)
     for i in range(300):
-        rec.answered(2, 0, failed=False, function=f"g{i}", seconds=0.0)
+        rec.answered(2, 0, f"g{i}", 0.0)
     functions = rec.peers({})["2"].functions
     assert len(functions) == 257 and functions["(other)"].calls == 300 - 256
 

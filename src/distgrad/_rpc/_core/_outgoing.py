@@ -121,7 +121,7 @@ class Outgoing:
         except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
             self._stats.sent(dst.id, 0)
             function = function_label(payload[0])
-            self._stats.answered(dst.id, 0, failed=True, function=function, outcome=PEER_FAILURE)
+            self._stats.answered(dst.id, 0, function, 0.0, PEER_FAILURE)
             if span is not None:
                 span.end("peer_failure")
             raise
@@ -474,28 +474,14 @@ class Outgoing:
             else:
                 outcome = OTHER
         if frame is None:
-            self._stats.answered(
-                call.conn.peer,
-                0,
-                failed=True,
-                function=call.function,
-                seconds=seconds,
-                outcome=outcome,
-            )
+            self._stats.answered(call.conn.peer, 0, call.function, seconds, outcome)
         else:
             size = len(frame.meta)
             if frame.buffers:
                 size += sum(buffer.nbytes for buffer in frame.buffers)
             if error is None:
                 outcome = REMOTE if frame.kind == Kind.ERROR else 0
-            self._stats.answered(
-                call.conn.peer,
-                size,
-                failed=outcome != 0,
-                function=call.function,
-                seconds=seconds,
-                outcome=outcome,
-            )
+            self._stats.answered(call.conn.peer, size, call.function, seconds, outcome)
         if call.span is not None:
             call.span.end(OUTCOMES[outcome])
         if not call.internal:

@@ -262,23 +262,17 @@ class StatisticsRecorder:
             self._counters(peer)[_RESENT] += 1
 
     def answered(
-        self,
-        peer: int,
-        nbytes: int,
-        *,
-        failed: bool,
-        function: str = "",
-        seconds: float = 0.0,
-        outcome: int = OK,
+        self, peer: int, nbytes: int, function: str, seconds: float, outcome: int = OK
     ) -> None:
         """A call to ``peer`` ended (``nbytes`` of answer received) after ``seconds``, as
-        ``outcome`` (an index into ``OUTCOMES``), counted under ``function``."""
+        ``outcome`` (an index into ``OUTCOMES``; anything but ``OK`` failed it), counted under
+        ``function``. (Positional: it runs for every call.)"""
         bucket = _BUCKETS + bisect.bisect_left(LATENCY_BOUNDS, seconds)
         with self._lock:
             counters = self._peers.get(peer) or self._counters(peer)
             counters[_IN] += nbytes
             counters[_ENDED] += 1
-            if failed:
+            if outcome:
                 counters[_FAILED] += 1
             functions = self._functions.get(peer)
             entry = functions.get(function) if functions is not None else None
