@@ -59,7 +59,8 @@ def test_nested_call_is_one_trace(traced: None) -> None:
     assert callee.parent_id == caller.span_id
     assert nested.parent_id == callee.span_id
     assert last.parent_id == nested.span_id
-    assert caller.status == "ok" and caller.end_ns >= callee.end_ns >= callee.start_ns
+    assert caller.status == "ok" and callee.start_ns >= caller.start_ns  # (same host clock)
+    assert caller.end_ns >= caller.start_ns and callee.end_ns >= callee.start_ns
     assert caller.attributes["rpc.peer"] == "worker1"
 
 
