@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from .._config import env_str
+from .._config import ENV_METRICS_ADDR, env_str
 from .._rpc._core import (
     RpcAgent,
     RpcLayer,
@@ -54,8 +54,6 @@ __all__ = [
 
 _log = logging.getLogger("distgrad.observe")
 
-#: the endpoint's address, when the options do not name one
-ENV_METRICS_ADDR = "DISTGRAD_METRICS_ADDR"
 #: seconds a request may take to arrive and be answered (a slow or stuck client is cut off)
 REQUEST_TIMEOUT = 2.0
 #: seconds a rendered snapshot is served again to the next requests

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import _config
+
 __all__ = [
     "KEEP",
     "Span",
@@ -34,7 +36,7 @@ __all__ = [
 KEEP = 20000
 
 #: whether calls are traced now (read on every call)
-active: bool = os.environ.get("DISTGRAD_TRACE", "").strip().lower() in ("1", "true", "yes")
+active: bool = _config.env_flag(_config.ENV_TRACE, False)
 
 _spans: collections.deque[Span] = collections.deque(maxlen=KEEP)
 _local = threading.local()
