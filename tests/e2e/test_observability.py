@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-import pytest
 import torch
+from prometheus_client import parser  # (the test extra has it)
 
 import distgrad.rpc as rpc
 from tests._harness import run_workers
@@ -110,7 +110,6 @@ OPTIONS = {"metrics_addr": "127.0.0.1:0", "rpc_timeout": 20}
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    parser = pytest.importorskip("prometheus_client.parser")
     found = {}
     for family in parser.text_string_to_metric_families(text):
         for sample in family.samples:

@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
+import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client import parser as prometheus_parser  # (the test extra has it)
 
 import distgrad.rpc as rpc
-from distgrad._observe import _endpoint
+from distgrad._observe import _endpoint, _top
 from distgrad._observe._endpoint import MetricsEndpoint, endpoint_of, token
 from distgrad._testing._world import open_world, world_options
-
-prometheus_parser = pytest.importorskip("prometheus_client.parser")
+from tests._needs import command, needs
 
 
 def double(x: torch.Tensor) -> torch.Tensor:
@@ -178,3 +181,33 @@ def test_scraping_a_frozen_member_times_out_cleanly() -> None:
 def test_register_is_idempotent() -> None:
     _endpoint.register()
     _endpoint.register()
+
+
+@needs(command("openssl"))
+def test_tls_endpoint_with_the_token(tmp_path: Path) -> None:
+    """With a server TLS context the endpoint speaks TLS only; distgrad top reads it with
+    --tls and the CA (and the token: the address is not loopback)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(str(cert), str(key))
+    with open_world(1) as world:
+        agent = world.agents[0]
+        endpoint = MetricsEndpoint(agent, "0.0.0.0:0", ssl_context=server)
+        try:
+            address = "127.0.0.1:" + endpoint.address.rsplit(":", 1)[1]
+            with pytest.raises(OSError):  # plaintext: no answer (the port speaks TLS only)
+                _get(f"http://{address}/json", timeout=5)
+            assert agent.secret is not None
+            client = _top._Client(agent.secret, 5.0, True, str(cert))
+            got = _top.fetch(client, {"worker0": address})["worker0"]
+            assert got.get("worker") == "worker0", got
+            wrong = _top._Client(b"wrong", 5.0, True, str(cert))
+            assert "401" in _top.fetch(wrong, {"worker0": address})["worker0"]["error"]
+        finally:
+            endpoint.close()
