@@ -9,9 +9,9 @@ gradient, allreduces it and writes the average back -- through ``.grad`` when, a
 distgrad, torch's own C++ context is not set. Horovod, FSDP and user code register Python hooks
 on these nodes too. Skipping them trains silently wrong.
 
-distgrad's engine runs torch's engine once per arriving message instead, which is exact for
-plain leaves by linearity but not for hooks (a clipping hook, DDP's "ready once" reducer). So a
-*hooked* leaf (:func:`is_hooked`: hooks of its own or on its node) is handled apart:
+distgrad's engine captures leaves' gradients (leaves as ``inputs``), where torch's engine calls
+a leaf's tensor hooks but never its node's hooks. So a *hooked* leaf (:func:`is_hooked`: hooks
+of its own or on its node) is handled apart:
 
 1. in each run, its partial gradient is captured with its tensor hooks set aside
    (:func:`hooks_set_aside`) and summed in the pass (:class:`HookedLeaf`);
