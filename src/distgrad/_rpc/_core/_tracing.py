@@ -12,9 +12,11 @@ Off, the cost on the call path is one read of :data:`active`."""
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +31,11 @@ __all__ = [
     "finished",
     "new_span_id",
     "pass_trace",
+    "sinks",
     "traceparent",
 ]
+
+_log = logging.getLogger("distgrad.observe")
 
 #: finished spans kept (the oldest dropped first)
 KEEP = 20000
@@ -40,6 +45,8 @@ active: bool = _config.env_flag(_config.ENV_TRACE, False)
 
 _spans: collections.deque[Span] = collections.deque(maxlen=KEEP)
 _local = threading.local()
+#: called with each span as it ends (an exporter's hand-off: quick, must not raise)
+sinks: list[Callable[[Span], None]] = []
 
 
 @dataclass(slots=True)
@@ -61,6 +68,11 @@ class Span:
         self.end_ns = time.time_ns()
         self.status = status
         _spans.append(self)
+        for sink in sinks:
+            try:
+                sink(self)
+            except Exception:  # (an exporter's trouble never fails a call)
+                _log.debug("a span sink failed", exc_info=True)
 
     def as_dict(self) -> dict[str, Any]:
         return {
