@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-__all__ = ["figures", "gradients_sent", "pass_ended"]
+__all__ = ["figures", "gradients_sent", "pass_ended", "tensor_bytes"]
 
 _lock = threading.Lock()
 #: worker id -> [passes, failed, seconds, gradient bytes sent]
@@ -32,18 +32,19 @@ def pass_ended(worker: int, seconds: float, *, failed: bool) -> None:
             entry[1] += 1
 
 
-def gradients_sent(worker: int, grads: list[torch.Tensor] | None) -> None:
-    """``worker`` sent ``grads`` to a peer (a gradient message of a pass)."""
-    if not grads:
-        return
-    nbytes = 0
-    for grad in grads:
-        if grad is None:
-            continue
-        try:
-            nbytes += grad._values().nbytes if grad.is_sparse else grad.nbytes
-        except (RuntimeError, NotImplementedError):  # (an exotic layout: its element bytes)
-            nbytes += grad.numel() * grad.element_size()
+def tensor_bytes(grad: torch.Tensor) -> int:
+    """The bytes a gradient of a layout other than strided carries (a sparse one: its values
+    and indices)."""
+    try:
+        if grad.is_sparse:
+            return int(grad._values().nbytes + grad._indices().nbytes)
+        return int(grad.nbytes)
+    except (RuntimeError, NotImplementedError):  # (an exotic layout: its elements' bytes)
+        return grad.numel() * grad.element_size()
+
+
+def gradients_sent(worker: int, nbytes: int) -> None:
+    """``worker`` sent ``nbytes`` of gradients to peers (one part of a pass, when it ends)."""
     with _lock:
         (_by_worker.get(worker) or _entry(worker))[3] += nbytes
 

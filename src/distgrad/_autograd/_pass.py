@@ -100,6 +100,8 @@ class Pass:
         self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
         #: leaves whose gradient meets hooks, by id: they are accumulated once per pass
         self.hooked: dict[int, HookedLeaf] = {}
+        #: gradient bytes this worker sent to peers in the pass (the metrics)
+        self.grad_bytes = 0
         #: this worker's part of the pass as a span of the pass's trace (calls traced only)
         self.span: _tracing.Span | None = None
         if _tracing.active:
@@ -358,7 +360,13 @@ class Pass:
 
     def _queue(self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool) -> None:
         record = state.record
-        _metrics.gradients_sent(self.worker_id, grads)
+        if grads:  # (counted here, inline: reported once, when this part of the pass ends)
+            for grad in grads:
+                if grad is not None:
+                    if grad.layout is _STRIDED:
+                        self.grad_bytes += grad.nbytes
+                    else:
+                        self.grad_bytes += _metrics.tensor_bytes(grad)
         device_map = record.device_map
         key = (record.src, id(device_map) if device_map else 0)
         updates = self._outbox.get(key)
@@ -443,38 +451,27 @@ class Pass:
             raise BackwardError(
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
-        if self.span is not None:  # its messages are calls of the pass's trace
-            previous = _tracing.set_current(self.span)
-            try:
-                self._send_message(agent, worker, func, args, device_map)
-            finally:
+        span = self.span  # its messages are calls of the pass's trace (when traced)
+        previous = _tracing.set_current(span) if span is not None else None
+        try:
+            if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
+                self._message_profiled(agent, worker, func, args)
+                return
+            if worker in self.heard_from:
+                # It already takes part, so this is not its first message: it needs no answer
+                # (one would say nothing about the work it causes, which that worker's own part
+                # covers, and waiting for it would add a round trip). A one-way message; a failure
+                # there fails that worker's part, which reaches the caller of backward through its
+                # own first message's answer; a lost peer is reported by the agent.
+                assert func is self.messages.grad  # START goes only to workers not in touch yet
+                agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
+                return
+            agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
+            self.in_touch.add(worker)
+            self.outstanding += 1
+        finally:
+            if span is not None:
                 _tracing.set_current(previous)
-            return
-        self._send_message(agent, worker, func, args, device_map)
-
-    def _send_message(
-        self,
-        agent: Any,
-        worker: int,
-        func: Any,
-        args: tuple[Any, ...],
-        device_map: dict[torch.device, torch.device] | None,
-    ) -> None:
-        if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
-            self._message_profiled(agent, worker, func, args)
-            return
-        if worker in self.heard_from:
-            # It already takes part, so this is not its first message: it needs no answer
-            # (one would say nothing about the work it causes, which that worker's own part
-            # covers, and waiting for it would add a round trip). A one-way message; a failure
-            # there fails that worker's part, which reaches the caller of backward through its
-            # own first message's answer; a lost peer is reported by the agent.
-            assert func is self.messages.grad  # START goes only to workers not in touch yet
-            agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
-            return
-        agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
-        self.in_touch.add(worker)
-        self.outstanding += 1
 
     def _message_profiled(self, agent: Any, worker: int, func: Any, args: tuple[Any, ...]) -> None:
         """As :meth:`_message`, as a request through ``call_async`` (which records it in the
@@ -551,6 +548,9 @@ class Pass:
 
     def _finish(self, status: str = "ok") -> None:
         self.finished = True
+        if self.grad_bytes:
+            _metrics.gradients_sent(self.worker_id, self.grad_bytes)
+            self.grad_bytes = 0
         if self.span is not None:
             self.span.end(status)
             self.span = None
@@ -570,6 +570,9 @@ class Pass:
             if key != ROOT and not source.resolved and self.ctx.send_functions[key].dst == worker:
                 return True
         return False
+
+
+_STRIDED = torch.strided
 
 
 def _pass_span(pass_id: tuple[int, int], worker: int) -> _tracing.Span:
