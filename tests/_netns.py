@@ -9,7 +9,8 @@ host's bridge port down (its traffic to every other host is dropped, its sockets
 
 Leaving the block kills every process started there (the whole process group) and deletes the
 namespaces, which removes their interfaces: nothing outlives the test. Namespaces need root and
-``ip``; :func:`unavailable` says why they cannot be made here, for a clean skip.
+``ip``; :func:`unavailable` says why they cannot be made here, for ``tests._needs.needs``: a
+clean skip, or a failure in CI.
 
 The addresses are private to these namespaces: no packet leaves them.
 """

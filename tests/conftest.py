@@ -1,4 +1,5 @@
-"""Shared test setup: import paths, and the guarantee that no test leaves a process behind."""
+"""Shared test setup: import paths, the guarantee that no test leaves a process behind, and
+the ``needs`` marker (a missing need skips a test, or fails it in CI: tests/_needs.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,32 @@ for _path in (str(_REPO / "src"), str(_REPO)):
         sys.path.insert(0, _path)
 
 from tests._harness import child_pids  # noqa: E402
+from tests._needs import MARKER, in_ci, missing_need  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(missing): the test cannot run where `missing` (a reason) is not None: "
+        "skipped there, failed in CI (tests/_needs.py)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Outside CI, a test that lacks something it needs (its ``needs`` marks) is skipped."""
+    if in_ci():
+        return
+    for item in items:
+        missing = missing_need(item)
+        if missing is not None:
+            item.add_marker(pytest.mark.skip(reason=missing))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """In CI, a test that lacks something it needs fails instead."""
+    missing = missing_need(item)
+    if missing is not None and in_ci():
+        pytest.fail(f"CI=true, and this test cannot run here: {missing}", pytrace=False)
 
 
 def _leftovers() -> list[str]:

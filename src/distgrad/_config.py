@@ -41,6 +41,10 @@ ENV_CUDA_IPC = "DISTGRAD_CUDA_IPC"
 #: worker, and the classes their messages may make it unpickle (off when neither is set).
 ENV_ALLOWED_CALLS = "DISTGRAD_ALLOWED_CALLS"
 ENV_ALLOWED_CLASSES = "DISTGRAD_ALLOWED_CLASSES"
+#: ``host:port`` of this worker's metrics endpoint (off when unset; docs/observability.md).
+ENV_METRICS_ADDR = "DISTGRAD_METRICS_ADDR"
+#: Set to "1" to trace calls across workers (``_rpc._core._tracing``).
+ENV_TRACE = "DISTGRAD_TRACE"
 #: Set to "1" for fail-stop peers: a lost connection proves the peer dead (no reconnection).
 ENV_FAIL_STOP = "DISTGRAD_FAIL_STOP"
 #: Set to "1" to make distgrad stand in for torch's RPC in every Python process that inherits

@@ -2,7 +2,11 @@
 ``partition_worker.py RANK MASTER_ADDR:PORT``. Rank 0 runs a distributed autograd step through
 rank 1 (on the other host), prints ``READY``, then calls rank 1 until a call fails (the test cut
 rank 1's host off) and again until one succeeds (the test healed it), runs the step again, has
-rank 1 call back, and prints ``RESULT <json>``."""
+rank 1 call back, and prints ``RESULT <json>``. Its times are ``time.monotonic()`` readings
+(``*_at``): network namespaces share the machine's clock with the test.
+
+The calls that wait for the cut have no timeout of their own: only failure detection can end
+one (a timeout could otherwise pass for it)."""
 
 from __future__ import annotations
 
@@ -56,11 +60,11 @@ def main() -> None:
         errors = []
         while time.monotonic() - started < 30 and not errors:  # until the cut shows
             try:
-                rpc.rpc_sync("worker1", name, timeout=3)
+                rpc.rpc_sync("worker1", name, timeout=0)
                 time.sleep(0.2)
             except RuntimeError as exc:
                 errors.append(str(exc))
-        result["first_error_after"] = time.monotonic() - started
+                result["first_error_at"] = time.monotonic()
         while time.monotonic() - started < 60:  # until it heals
             try:
                 result["back"] = rpc.rpc_sync("worker1", name, timeout=3)
@@ -68,7 +72,7 @@ def main() -> None:
             except RuntimeError as exc:
                 errors.append(str(exc))
                 time.sleep(0.2)
-        result["back_after"] = time.monotonic() - started
+        result["back_at"] = time.monotonic()
         result["errors"] = errors[:3]
         result["after"] = step_difference()
         result["callback"] = rpc.rpc_sync("worker1", call, ("worker0",))

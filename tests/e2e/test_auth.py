@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import os
 import pickle
-import shutil
 import signal
 import socket
 import ssl
@@ -37,6 +36,7 @@ from distgrad._wire._frames import (
     encode_frame,
 )
 from tests._harness import run_workers
+from tests._needs import command, needs
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -319,7 +319,7 @@ def flooded_first_connection(rank: int, world_size: int, where: str) -> dict[str
     return out
 
 
-@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs Unix sockets")
+@needs(None if hasattr(socket, "AF_UNIX") else "needs Unix sockets")
 def test_a_flooded_unix_socket_does_not_condemn_its_worker(tmp_path: Path) -> None:
     """A local process fills a stalled worker's Unix socket backlog while a peer opens its
     first connection to it (connect() -> EAGAIN): the worker is not declared dead, the call
@@ -520,7 +520,7 @@ def tls_program(rank: int, world_size: int, port: int, cert: str, key: str) -> s
     return "ok"
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs(command("openssl"))
 def test_tls_between_workers(tmp_path: Path) -> None:
     """With server/client TLS contexts (and Unix sockets off, so all traffic is TCP), RPCs
     with large tensors work; the TCP port refuses plaintext and runs the distgrad handshake
@@ -565,7 +565,7 @@ def tls_traffic_both_ways(rank: int, world_size: int, port: int, cert: str, key:
     return checked
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs(command("openssl"))
 def test_tls_traffic_from_many_threads_both_ways(tmp_path: Path) -> None:
     """Six threads on each worker call the other at once over TLS (1 MiB and small messages):
     every reply arrives intact. Before, caller threads wrote the SSL object while the I/O
@@ -608,7 +608,7 @@ def tls_on_one_side(
     return {"error": str(info.value), "elapsed": elapsed}
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs(command("openssl"))
 def test_tls_on_one_side_only_is_named(tmp_path: Path) -> None:
     """TLS contexts on one worker only (all traffic over TCP): calls in both directions fail at
     once with a HandshakeError saying on which side TLS is configured, not with a reset."""

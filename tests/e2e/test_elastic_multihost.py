@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -17,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests._harness import REPO
+from tests._needs import command, needs
 from tests._netns import Hosts, unavailable
 
 pytestmark = [
     pytest.mark.timeout(240),
-    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+    needs(unavailable()),
 ]
 
 WORKER = REPO / "tests" / "e2e" / "elastic_multihost_worker.py"
@@ -82,7 +82,7 @@ def test_grow_2_to_5_and_back_over_tcp() -> None:
         _check(hosts, _grow_and_shrink(hosts, []))
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs(command("openssl"))
 def test_grow_2_to_5_and_back_over_mutual_tls(tmp_path: Path) -> None:
     """The same over TLS where each side presents and checks a certificate."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

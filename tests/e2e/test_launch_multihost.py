@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,11 +16,12 @@ import sys
 import pytest
 
 from tests._harness import REPO
+from tests._needs import command, needs
 from tests._netns import Hosts, unavailable
 
 pytestmark = [
     pytest.mark.timeout(240),
-    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+    needs(unavailable()),
 ]
 
 DOCS = REPO / "docs" / "launching.md"
@@ -71,7 +71,7 @@ def _gradient_check_passed(outputs: list[str]) -> None:
     assert "epoch 3/3" in text, text
 
 
-@pytest.mark.skipif(shutil.which("torchrun", path=BIN) is None, reason="no torchrun")
+@needs(command("torchrun", path=BIN))
 def test_torchrun_multinode_command_from_the_docs() -> None:
     """The documented torchrun command on two hosts, two workers each (c10d rendezvous)."""
     command = documented("torchrun").strip()
@@ -96,7 +96,7 @@ def test_torchrun_multinode_command_from_the_docs() -> None:
         _gradient_check_passed(_finish(procs))
 
 
-@pytest.mark.skipif(shutil.which("distgrad", path=BIN) is None, reason="no distgrad command")
+@needs(command("distgrad", path=BIN))
 def test_slurm_batch_script_from_the_docs() -> None:
     """The documented srun step, as each of four tasks on two nodes runs it: Slurm's variables
     per task, the node list compressed as Slurm writes it, node names resolving per host."""

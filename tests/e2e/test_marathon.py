@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests._harness import REPO
+from tests._needs import needs
 from tests._netns import Hosts, unavailable
 
 ROUNDS = int(os.environ.get("DISTGRAD_MARATHON_ROUNDS", "2"))
 
 pytestmark = [
     pytest.mark.timeout(120 + 90 * ROUNDS),
-    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+    needs(unavailable()),
 ]
 
 WORKER = REPO / "tests" / "e2e" / "marathon_worker.py"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests._harness import REPO
+from tests._needs import command, needs
 from tests._netns import Hosts, unavailable
 
 pytestmark = [
     pytest.mark.timeout(180),
-    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+    needs(unavailable()),
 ]
 
 WORKER = REPO / "tests" / "e2e" / "multihost_worker.py"
@@ -80,7 +80,7 @@ def test_master_named_by_a_hostname_that_is_loopback_on_its_own_host() -> None:
         _check(hosts, _run_group(hosts, [], master_host="dgmaster"))
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@needs(command("openssl"))
 def test_three_hosts_over_mutual_tls(tmp_path: Path) -> None:
     """The same over TLS where each side presents and checks a certificate."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

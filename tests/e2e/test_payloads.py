@@ -11,6 +11,7 @@ import torch
 
 import distgrad.rpc as rpc
 from tests._harness import run_workers
+from tests._needs import needs
 from tests._tensors import DTYPES, random_tensor, same_bits
 
 pytestmark = pytest.mark.timeout(90)
@@ -283,13 +284,16 @@ def _reads_possible() -> bool:
     return scope == 0 or (scope < 3 and os.geteuid() == 0)
 
 
-@pytest.mark.parametrize("reads", ["on", "off"])
+NO_READS = "this host does not let sibling processes read each other's memory"
+
+
+@pytest.mark.parametrize(
+    "reads", [pytest.param("on", marks=needs(None if _reads_possible() else NO_READS)), "off"]
+)
 def test_large_tensors_between_same_host_workers_are_read_directly(reads: str) -> None:
     """Between workers on one host, tensors of 4 MiB and more are read from the sender's memory
     (one copy, not two through the socket): with that on, each worker read them directly; with
     DISTGRAD_CROSS_MEMORY=0 everything goes through the socket. Results are identical."""
-    if reads == "on" and not _reads_possible():
-        pytest.skip("this host does not let sibling processes read each other's memory")
     env = {"DISTGRAD_CROSS_MEMORY": "0"} if reads == "off" else {}
     results = run_workers(direct_reads_program, 2, timeout=60, env=env)
     assert results[1] == "served"

@@ -174,14 +174,19 @@ def test_no_map_errors_are_torchs_and_nothing_waits(fake: Any) -> None:
 
 
 def test_a_joiners_maps_are_validated_against_the_members(fake: Any) -> None:
-    """Dynamic groups: once a joiner is announced (it validated everyone's maps), a member's
-    responses to it use the inverse of the joiner's map and default devices are derived
-    again."""
+    """Dynamic groups: a joiner whose map names a device a member lacks (``cuda:7`` on
+    worker0, which has two) is refused with torch's ValueError and the members keep their
+    plans; a valid joiner is announced, and then a member's responses to it use the inverse of
+    the joiner's map and default devices are derived again."""
     with open_world(2, options=[_options({}), _options({})], dynamic=True) as world:
         agent0 = world.agents[0]
-        agent0.device_member_joined(
-            "late", {"count": 2, "maps": {"worker0": {"cpu": "cuda:1"}}, "devices": []}
-        )
+        before = agent0.device_plan
+        with pytest.raises(ValueError, match="invalid indices in its device map for worker0"):
+            world.join(name="bad", options=_options({"worker0": {"cpu": "cuda:7"}}))
+        assert agent0.device_plan == before
+        assert "bad" not in [w.name for w in agent0.get_worker_infos()]
+        world.kill(2)  # (the refused joiner's agent)
+        world.join(name="late", options=_options({"worker0": {"cpu": "cuda:1"}}))
         assert agent0.device_plan.reverse == {"late": {D("cuda:1"): D("cpu")}}
         assert agent0.device_plan.devices == [D("cuda:1")]
 

@@ -22,6 +22,7 @@ from distgrad._wire._frames import (
     encode_frame,
     encode_frame_by_reference,
 )
+from tests._needs import needs
 
 BIG = 1 << 40
 
@@ -280,7 +281,7 @@ def by_reference(buffers: list[bytes], threshold: int, transfer: int = 5) -> tup
     return stream_of(pieces), kept
 
 
-@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+@needs(None if _memory_reads() else "needs Linux process_vm_readv")
 @pytest.mark.parametrize("chunks", [None, [1], [3, 17, 5000]])
 def test_by_reference_buffers_are_read_from_memory_not_the_stream(chunks: list[int] | None) -> None:
     """Large buffers stay behind (only their address travels) and the parser reads them; small
@@ -305,7 +306,7 @@ def test_by_reference_frame_without_a_reader_is_a_protocol_error() -> None:
         feed(FrameParser(BIG), data)
 
 
-@pytest.mark.skipif(not _memory_reads(), reason="needs Linux process_vm_readv")
+@needs(None if _memory_reads() else "needs Linux process_vm_readv")
 def test_by_reference_frame_at_an_unmapped_address_is_a_protocol_error() -> None:
     """An address the sender does not have mapped is a protocol error, not a crash."""
     data, _kept = by_reference([os.urandom(1000)], threshold=10)

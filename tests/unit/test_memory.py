@@ -12,8 +12,9 @@ import pytest
 
 from distgrad._transport import _memory
 from distgrad._wire._frames import buffer_address
+from tests._needs import needs
 
-pytestmark = pytest.mark.skipif(not _memory.available(), reason="needs Linux process_vm_readv")
+pytestmark = needs(None if _memory.available() else "needs Linux process_vm_readv")
 
 
 def test_read_memory_copies_a_range_of_the_process() -> None:

@@ -4,14 +4,13 @@ used through an RRef, ``rpc.TensorPipeAgent``, ``rpc.internal.serialize``."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
 
 import distgrad.rpc as rpc
-from distgrad.testing import open_world
+from distgrad.testing import Fault, open_world
 
 
 def add(a: Any, b: Any) -> Any:
@@ -135,11 +134,18 @@ def test_internal_serialize_round_trip() -> None:
         ]
 
 
-def test_broadcast_to_followers_is_torchs_name() -> None:
+def test_broadcast_to_followers_is_what_the_leader_of_all_gather_sends() -> None:
     """``rpc.api._broadcast_to_followers`` is the function the leader of ``_all_gather``
-    calls on each follower."""
-    assert callable(rpc.api._broadcast_to_followers)
-    with open_world(3) as world:
-        start = time.monotonic()
-        world.run(lambda r: rpc.api._barrier())
-        assert time.monotonic() - start < 10
+    calls on each follower: one message naming it goes from worker0 (the leader) to each of
+    worker1 and worker2, and every worker gets the gathered dict."""
+    function = rpc.api._broadcast_to_followers
+    name = f"{function.__module__}.{function.__qualname__}"
+    seen = Fault("delay", function=name, seconds=0.0)  # (only watches)
+    with open_world(3, faults=[seen]) as world:
+        gathered = world.run(lambda r: rpc.api._all_gather(r * 10))
+        assert world.faults is not None
+        calls = world.faults.fired(type="PYTHON_CALL")
+    sent = sorted((a.src, a.dst, a.function) for a in calls)
+    everyone = {"worker0": 0, "worker1": 10, "worker2": 20}
+    assert gathered == [everyone] * 3
+    assert sent == [(0, 1, name), (0, 2, name)]

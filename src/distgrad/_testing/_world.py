@@ -159,11 +159,18 @@ class World:
         return [rank for rank in range(self.size) if rank not in self._killed | self._left]
 
     # -- dynamic worlds (open_world(..., dynamic=True)) -----------------------------------------
-    def join(self, rank: int | None = None, name: str | None = None, store: Any = None) -> int:
+    def join(
+        self,
+        rank: int | None = None,
+        name: str | None = None,
+        store: Any = None,
+        options: TensorPipeRpcBackendOptions | None = None,
+    ) -> int:
         """Start a new agent and join it to the (dynamic) world through the world's store, as
         ``init_rpc(name, rank, world_size=None)`` does; return its rank. A rank given that was
         killed or left restarts that member under its name: a new incarnation. ``store`` is the
-        store this joiner talks to (default: the world's; a test may wrap it)."""
+        store this joiner talks to (default: the world's; a test may wrap it); ``options`` its
+        options (default: worker0's)."""
         rank = self.size if rank is None else rank
         if rank < self.size and rank in self.alive():
             raise ValueError(f"rank {rank} is a running member of the world")
@@ -171,7 +178,7 @@ class World:
         factory: TransportFactory = self.network.factory
         if self.faults is not None:
             factory = FaultyTransport.factory(factory, self.faults)
-        options = self.agents[0].options
+        options = self.agents[0].options if options is None else options
         agent = RpcAgent(name, rank, 0, options, transport=factory, isolated=True, dynamic=True)
         previous = bind_thread(agent)
         try:

@@ -108,6 +108,9 @@ class TransportStatistics:
     #: heartbeat ticks that found this process itself had not been running for more than a
     #: heartbeat interval (and so judged no peer's silence)
     stalls: int = 0
+    #: the verdicts given on peers: ``(rank, kind, cause, count)`` -- kinds ``suspected``,
+    #: ``dead``, ``recovered``, ``restarted`` (see ``_suspicion.PeerVerdicts``)
+    peer_events: tuple[tuple[int, str, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

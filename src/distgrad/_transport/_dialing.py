@@ -170,7 +170,7 @@ class Dialing:
         except OSError as exc:
             if exc.errno in _REFUSED:  # proof: nothing listens there any more
                 error = PeerFailureError(f"could not connect to {label}: {exc}", label)
-                self._verdicts.prove_dead(rank, error)
+                self._verdicts.prove_dead(rank, error, "refused")
             else:  # says nothing about the peer: this call fails, the next one tries again
                 error = PeerFailureError(
                     f"could not connect to {label}: {exc} (not presumed dead: a later call "

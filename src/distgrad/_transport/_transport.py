@@ -362,7 +362,9 @@ class SocketTransport:
         both sides take the other for dead."""
         label = self._label(rank)
         error = PeerFailureError(f"the connection to {label} was severed", label)
-        self._verdicts.prove_dead(rank, error)  # at once: the next send must not reconnect
+        self._verdicts.prove_dead(
+            rank, error, "severed"
+        )  # at once: the next send must not reconnect
         for conn in [c for c in list(self._conns) if c.peer == rank]:
             conn.close(error)
 
@@ -374,6 +376,7 @@ class SocketTransport:
             handshakes_failed=self._accepting.failed_handshakes,
             protocol_errors=self._protocol_errors,
             dead_peers=self._verdicts.dead_peers(),
+            peer_events=self._verdicts.event_counts(),
             bytes_read_directly=self._bytes_read_directly
             + sum(c.bytes_read_directly for c in list(self._conns)),
             stalls=self._judge.stalls,

@@ -182,6 +182,8 @@ class RpcAgent:
         #: per-worker state of the layers above (keyed by the layer's key): RRefs keep their
         #: tables here; autograd its contexts, for isolated agents
         self.layer_state: dict[object, object] = {}
+        #: the cluster secret, once the transport started (the metrics endpoint's guard)
+        self.secret: bytes | None = None
         #: what the stages share: the state, the transport once started, the default timeout
         self._shared = Shared(self.worker_info, options.rpc_timeout)
         self._io = IoThread(on_start=bind)
@@ -320,6 +322,7 @@ class RpcAgent:
             incarnation=self.incarnation,
             dynamic=self.dynamic,
         )
+        self.secret = secret
         _layer.agent_starting(self)
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
@@ -398,6 +401,7 @@ class RpcAgent:
 
     def _membership_event(self, kind: MembershipKind, info: WorkerInfo, incarnation: int) -> None:
         event = MembershipEvent(kind, info, incarnation, time.time())
+        self._stats.membership(kind)
         _log.info("membership: %s", event)
         for listener in list(self.membership_listeners):
             self._callbacks.submit(listener, event)
@@ -526,7 +530,17 @@ class RpcAgent:
             requests_in_flight=self._workers.busy(),
             peers=self._stats.peers(names),
             transport=self._transport.statistics() if self._transport is not None else None,
+            membership=self._stats.membership_counts(),
+            uptime=self._stats.uptime,
+            layers=self._layer_metrics(),
         )
+
+    def _layer_metrics(self) -> dict[str, float]:
+        previous = bind_thread(self)
+        try:
+            return _layer.layer_metrics(self)
+        finally:
+            bind_thread(previous)
 
     def __repr__(self) -> str:
         info = self.worker_info

@@ -31,7 +31,7 @@ from ..._transport._base import Link
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _delivery, _layer, _profiling
+from . import _delivery, _layer, _profiling, _tracing
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -40,7 +40,16 @@ from ._messages import describe_request
 from ._pool import ThreadPool, member_pool
 from ._remote_error import exception_from_payload
 from ._shared import Shared
-from ._statistics import StatisticsRecorder
+from ._statistics import (
+    FUNCTION_LABELS,
+    OTHER,
+    OUTCOMES,
+    PEER_FAILURE,
+    REMOTE,
+    TIMEOUT,
+    StatisticsRecorder,
+    function_label,
+)
 from ._worker_info import WorkerInfo
 
 __all__ = ["Outgoing"]
@@ -105,7 +114,21 @@ class Outgoing:
         if self._shared.stopped:
             raise self._shared.stopped_error("REQUEST")
         assert self._shared.transport is not None
-        conn = self._shared.transport.connection(dst.id)
+        span = None
+        if _tracing.active:  # the caller's span; its traceparent travels as a 4th element
+            span = _tracing.client(
+                self._shared.worker_info.name, dst.name, function_label(payload[0])
+            )
+            payload = (*payload, _tracing.traceparent(span))
+        try:
+            conn = self._shared.transport.connection(dst.id)
+        except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
+            self._stats.sent(dst.id, 0)
+            function = function_label(payload[0])
+            self._stats.answered(dst.id, 0, function, 0.0, PEER_FAILURE)
+            if span is not None:
+                span.end("peer_failure")
+            raise
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
         made: list[CallRecord | None] = []  # the extension's ext, once made
@@ -145,6 +168,12 @@ class Outgoing:
             internal=internal,
             callback=callback,
         )
+        try:  # (the cache's common case inline: no call)
+            call.function = FUNCTION_LABELS[payload[0]]
+        except (KeyError, TypeError):
+            call.function = function_label(payload[0])
+        call.started = time.perf_counter()
+        call.span = span
         if settle:
             call.settle = settle
         if not internal:
@@ -179,7 +208,7 @@ class Outgoing:
         except FrameNotSentError as exc:
             _let_go(call)
             if calls.pop(cid) is not None:
-                self._done(call)
+                self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, False)
             raise PeerFailureError(
                 f"{exc} (the request was not sent: it was tried again on a new connection, "
@@ -201,7 +230,7 @@ class Outgoing:
         # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
             _let_go(call)
-            self._done(call)
+            self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
         return call
@@ -214,8 +243,8 @@ class Outgoing:
             if self._shared.stopped:
                 raise self._shared.stopped_error("REQUEST")
             conn = self._shared.transport.connection(dst.id)
-        except BaseException:
-            self._done(call)
+        except BaseException as exc:
+            self._done(call, PEER_FAILURE if isinstance(exc, PeerFailureError) else OTHER)
             raise
         _log.debug("resending call %d to %s on a new connection: %s", call.cid, dst.name, error)
         self._stats.resent(dst.id)
@@ -274,7 +303,7 @@ class Outgoing:
             elif timeout > 0:
                 if not lock.acquire(timeout=timeout):
                     if self.calls.pop(call.cid) is not None:
-                        self._done(call)
+                        self._done(call, TIMEOUT)
                         _delivery.run_failure_callbacks(call.settle, True)
                         raise RpcTimeoutError(rpc_timeout_message(call.timeout))
                     lock.acquire()  # completed while we timed out: take the result
@@ -457,17 +486,30 @@ class Outgoing:
         except BaseException:
             _log.exception("unhandled error in the answer handler of an internal call")
 
-    def _done(self, call: _Call) -> None:
-        """Count a call that ended (taken out of the table)."""
+    def _done(self, call: _Call, outcome: int = OTHER) -> None:
+        """Count a call that ended (taken out of the table): ``outcome`` says how where
+        neither its answer nor its error does."""
+        seconds = time.perf_counter() - call.started
         frame = call.frame
+        error = call.error
+        if error is not None:
+            if isinstance(error, RpcTimeoutError):
+                outcome = TIMEOUT
+            elif isinstance(error, PeerFailureError):
+                outcome = PEER_FAILURE
+            else:
+                outcome = OTHER
         if frame is None:
-            self._stats.answered(call.conn.peer, 0, failed=True)
+            self._stats.answered(call.conn.peer, 0, call.function, seconds, outcome)
         else:
             size = len(frame.meta)
             if frame.buffers:
                 size += sum(buffer.nbytes for buffer in frame.buffers)
-            failed = call.error is not None or frame.kind == Kind.ERROR
-            self._stats.answered(call.conn.peer, size, failed=failed)
+            if error is None:
+                outcome = REMOTE if frame.kind == Kind.ERROR else 0
+            self._stats.answered(call.conn.peer, size, call.function, seconds, outcome)
+        if call.span is not None:
+            call.span.end(OUTCOMES[outcome])
         if not call.internal:
             with self._active_lock:
                 self._active -= 1

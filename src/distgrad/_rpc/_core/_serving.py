@@ -26,7 +26,7 @@ from ..._wire._choice import current_guard
 from ..._wire._frames import Frame, Kind
 from ..._wire._guard import RefusedError
 from ..._wire._pickler import decode, dumps, encode, loads
-from . import _layer, _profiling
+from . import _layer, _profiling, _tracing
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
 from ._lane import SerialLane
@@ -35,7 +35,7 @@ from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
 from ._shared import Shared
-from ._statistics import StatisticsRecorder
+from ._statistics import StatisticsRecorder, function_label
 from ._torchscript import is_script_function
 
 __all__ = ["Serving"]
@@ -215,10 +215,12 @@ class Serving:
 
         references = _layer._references  # (the registry's field: no call on the call path)
         previous = references.start_collecting() if references is not None else None
+        request: Any = ()
         try:
-            _ext, (func, args, kwargs) = decode(
+            _ext, request = decode(
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
             )
+            func, args, kwargs = request[0], request[1], request[2]
         except BaseException as exc:
             if isinstance(exc, RefusedError):  # the allow-list: the error names what and why
                 error: BaseException = exc
@@ -263,10 +265,41 @@ class Serving:
             return
         del frame.buffers[:]
         state = states[0] if states else None
+        if len(request) > 3:  # a traced call: its span here, the caller's its parent
+            self._serve_traced(conn, frame, request[3], func, args, kwargs, state, arrivals)
+            return
         if arrivals is not None:
             self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
             return
         self._run(conn, frame, func, args, kwargs, state)
+
+    def _serve_traced(
+        self,
+        conn: Link,
+        frame: Frame,
+        header: object,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+        arrivals: Arrivals | None,
+    ) -> None:
+        """Run a request that came with a ``traceparent`` in its span (``_tracing``): the
+        calls it makes are its children. (An ``@async_execution`` function's span ends when
+        it returns its future.)"""
+        span = _tracing.server(
+            header, self._shared.worker_info.name, conn.peer_label, function_label(func)
+        )
+        previous = _tracing.set_current(span)
+        try:
+            if arrivals is not None:
+                self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
+            else:
+                self._run(conn, frame, func, args, kwargs, state)
+        finally:
+            _tracing.set_current(previous)
+            if span is not None:
+                span.end()
 
     def _serve_on_devices(
         self,
