@@ -88,8 +88,8 @@ class Serving:
     # -- receive (I/O thread) --------------------------------------------------------------------
     def on_request(self, conn: Link, frame: Frame) -> None:
         slot = self._here.slot
-        if slot is not None and not slot:  # read by a lingering worker: it runs it itself
-            slot.append(frame)
+        if slot is not None and not slot and not self.gil_profiling:
+            slot.append(frame)  # read by a lingering worker: it runs it itself
             return
         try:
             if self.gil_profiling:
