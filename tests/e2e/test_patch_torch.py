@@ -309,3 +309,69 @@ def test_a_broken_install_warns_and_the_interpreter_starts(tmp_path: Path) -> No
     assert result.stdout.split() == ["torch.distributed.rpc"]
     assert result.stderr.count("RuntimeWarning: distgrad: DISTGRAD_PATCH_TORCH is set") == 1
     assert "ImportError('broken install')" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_torchs_own_rpc_test_modules_import_under_the_switch() -> None:
+    """torch's RPC test modules -- rpc_test, dist_autograd_test, faulty_agent_rpc_test and
+    remote_module_test -- import under the switch (they import torch's private names:
+    ``_thread_local_var``, ``_use_rpc_pickler``, ``_wait_all``, ``_internal_rpc_pickler``,
+    ``_REMOTE_MODULE_PICKLED_ATTRIBUTES``, ``_RemoteModule``), and see distgrad's objects."""
+    pytest.importorskip("expecttest")  # (torch's test modules need it: the test extra has it)
+    code = textwrap.dedent(
+        """
+        import torch.testing._internal.distributed.rpc.rpc_test as rpc_test
+        import torch.testing._internal.distributed.rpc.dist_autograd_test as autograd_test
+        import torch.testing._internal.distributed.rpc.faulty_agent_rpc_test as faulty
+        import torch.testing._internal.distributed.nn.api.remote_module_test as rm_test
+        from torch.distributed.rpc.api import _thread_local_var, _use_rpc_pickler, _wait_all
+        from torch.distributed.rpc.internal import _internal_rpc_pickler
+        print(rpc_test.rpc.__name__, autograd_test.dist_autograd.__name__,
+              type(_internal_rpc_pickler).__module__, rm_test.RemoteModule.__module__,
+              faulty.rpc.__name__)
+        """
+    )
+    result = run_python(code, patch_env(patch=True), timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [
+        "distgrad.rpc",
+        "distgrad.autograd",
+        "distgrad.rpc.internal",
+        "distgrad.nn",
+        "distgrad.rpc",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_torch_futures_wait_all_and_collect_all_stop_at_the_first_failed_rpc() -> None:
+    """Under the switch, ``torch.futures.wait_all`` and ``collect_all`` over distgrad futures
+    end with the first failure's error while a slow call is still running, as torch's do with
+    its own futures (unpatched, torch's C++ wait cannot see a Python future's failure)."""
+    code = textwrap.dedent(
+        f"""
+        import operator, time, torch
+        import torch.distributed.rpc as rpc
+        opts = rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:{free_port()}")
+        rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=opts)
+        for combine in ("wait_all", "collect_all"):
+            slow = rpc.rpc_async("worker0", time.sleep, (10,))
+            failing = rpc.rpc_async("worker0", operator.truediv, (1, 0))
+            try:
+                if combine == "wait_all":
+                    torch.futures.wait_all([slow, failing])
+                else:
+                    torch.futures.collect_all([slow, failing]).wait()
+            except ZeroDivisionError:
+                print(combine, "raised", "slow-running" if not slow.done() else "slow-done")
+        done = torch.futures.wait_all([rpc.rpc_async("worker0", operator.add, (1, 2))])
+        print("values", done)
+        rpc.shutdown(graceful=False)
+        """
+    )
+    result = run_python(code, patch_env(patch=True), timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "wait_all raised slow-running",
+        "collect_all raised slow-running",
+        "values [3]",
+    ]

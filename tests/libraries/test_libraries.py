@@ -1,5 +1,6 @@
 """Real libraries, unchanged, on distgrad (docs/libraries.md): TorchRL's RPCCollector with its
-"mp" launcher and PyG's distributed feature lookup over RPC, each run with
+"mp" launcher, PyG's distributed feature lookup over RPC and fairscale's RPC pipeline with
+checkpointing, each run with
 ``DISTGRAD_PATCH_TORCH=1`` and nothing else changed, and again on torch's own RPC (no
 variable) for comparison. Every child reports which RPC it ran.
 
@@ -94,3 +95,30 @@ def test_pyg_rpc_feature_lookup(tmp_path: Path, patch: bool) -> None:
             "initialized_before": True,
             "agent_after": False,
         }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["layers", "auto_graph"])
+def test_fairscale_distributed_pipeline(tmp_path: Path, case: str) -> None:
+    """fairscale 0.4.13's DistributedPipeline with checkpointing, a partition whose outputs
+    leave in two RPCs (its Checkpoint node is shared by two send functions and pops its
+    recomputation once): two training steps under the switch give torch's RPC's losses and
+    parameters."""
+    pytest.importorskip("fairscale")
+    reports = {}
+    for patch in (True, False):
+        out = tmp_path / ("distgrad" if patch else "torch")
+        out.mkdir()
+        result = run_python(
+            [str(HERE / "fairscale_pipeline.py"), str(free_port()), str(out), case],
+            _env(patch),
+            timeout=240,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        reports[patch] = json.loads((out / f"{case}.json").read_text())
+        assert reports[patch]["rpc"] == _expected(patch)
+    ours, theirs = reports[True], reports[False]
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6)
+    assert ours["losses"][1] < ours["losses"][0]
+    for a, b in zip(ours["parameters"], theirs["parameters"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)

@@ -174,3 +174,17 @@ def test_the_guard_resolves_only_what_it_allows() -> None:
         guard.find_class("antigravity", "fly", load)
     assert "antigravity" not in __import__("sys").modules
     assert guard.refused["os.path"] == 1
+
+
+def test_elastic_joins_and_leaves_work_under_the_list() -> None:
+    """A dynamic group whose members allow only the user's functions: a member joins (the
+    membership protocol's messages are distgrad's own), is called, and leaves; calls to the
+    others keep working."""
+    with open_world(2, options=_strict_options(), dynamic=True) as world:
+        rank = world.join()
+        value = world.run_on(
+            0, lambda: rpc.rpc_sync(f"worker{rank}", user_mul, (torch.ones(2), torch.ones(2)))
+        )
+        world.leave(rank)
+        after = world.run_on(0, lambda: rpc.rpc_sync("worker1", user_echo, (5,)))
+    assert torch.equal(value, torch.ones(2)) and after == 5

@@ -145,7 +145,7 @@ class DistAutogradContext:
 
     ``lock`` guards every mutable attribute. ``send_functions`` and ``recv_functions`` hold
     strong references: they keep the forward graph alive until the context is released.
-    ``pass_state`` and ``last_pass_id`` belong to the backward engine; this class only stores
+    ``pass_state`` and ``ended_passes`` belong to the backward engine; this class only stores
     them.
     """
 
@@ -156,7 +156,7 @@ class DistAutogradContext:
         self.send_functions: dict[int, Any] = {}
         self.recv_functions: dict[int, Any] = {}
         self.pass_state: Any = None
-        self.last_pass_id: Any = None
+        self.ended_passes: set[Any] = set()  # the ids of the passes over on this context
         # id(variable) -> (variable, grad). Tensors compare elementwise, so a dict keyed by the
         # tensors themselves is only safe for lookups by the very same object; keying by id and
         # keeping the variable alive here makes identity explicit (and the id stable).

@@ -4,14 +4,17 @@
 How a pass runs (see docs/design.md, "Distributed backward pass", for the reasoning):
 
 * **Sources.** On each worker, torch's engine is started from *sources*: the roots (on the
-  worker that called ``backward``) and the send functions that receive gradients. Each
-  arriving gradient message runs torch's engine at once from its send function (pipelining;
-  messages already waiting are batched into one run). Gradients are linear, so running the
-  shared parts of the graph once per message gives the same result as one combined run.
+  worker that called ``backward``) and the send functions that receive gradients. A source's
+  gradients are summed until it is *resolved*; then one run starts from it (with others
+  resolved at the same time, and gradients waiting at nodes). Each node of the worker's graph
+  runs at most once per pass, with the sum of its gradients, as in torch: a run executes only
+  the nodes no pending source reaches, and what flows into the others waits there (``_plan``).
+  Sources that share no node with another run as they are. Everything a run sends a peer goes
+  in one message.
 * **Recv functions** are never executed: the gradients flowing into them are captured at
-  their edges and shipped to the sender as a *partial* message. A recv function is *final*
-  once every source that can reach it is resolved; its last message carries ``final`` and
-  the number of gradient messages it sent in this pass.
+  their edges and shipped to the sender. A recv function is *final* once every source that
+  can reach it is resolved (its gradient is captured in that same run, so one message carries
+  both); the message carries ``final`` and the number of gradient messages it sent.
 * **Resolution.** A send function is resolved when its peer's final message and all the
   gradient messages it announced have been processed. A recv function no source can reach is
   final at once, with no gradients -- that is how a pass whose RPC results are partly unused
@@ -31,35 +34,29 @@ How a pass runs (see docs/design.md, "Distributed backward pass", for the reason
   and ``backward`` returns exactly when the whole pass has finished. No barrier, no polling.
 * **Errors** fail the pass where they happen and travel up that tree, each hop prefixing
   ``Error on Node N: ``. The context survives; a new pass supersedes a stale one. A dead
-  peer fails every pass that waits on it (through the agent's failure detection).
+  peer fails every pass that waits on it (through the agent's failure detection). Late
+  messages of a pass that is over (or superseded, or whose context is gone) are dropped with
+  a debug line.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any
 
 import torch
 
 from .._errors import RpcTimeoutError, rpc_timeout_message
 from .._rpc._core import async_execution, current_agent, on_io_thread
+from . import _metrics
 from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
-from ._pass import (
-    _ALL_PASSES,
-    _PASSES_LOCK,
-    ROOT,
-    BackwardError,
-    EngineRun,
-    GradMessage,
-    GradUpdate,
-    Pass,
-    PassMessages,
-    _Answer,
-    _done_future,
-    _pass_ids,
-)
+from ._grad_messages import BackwardError, GradMessage, GradUpdate, PassMessages
+from ._grad_messages import done_future as _done_future
+from ._pass import _ALL_PASSES, _PASSES_LOCK, ROOT, Pass, _pass_ids
+from ._sources import Answer as _Answer
 
 __all__ = ["BackwardError", "backward", "on_peer_failure"]
 
@@ -100,6 +97,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
             "backward(): incompatible function arguments. The following argument types are "
             "supported: (context_id: int, roots: List[Tensor], retain_graph: bool = False)"
         )
+    started = time.perf_counter()
     ctx = CONTAINER.retrieve_context(context_id)
     roots = list(roots)
     _validate_roots(roots)
@@ -113,9 +111,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
         ctx.pass_state = current
         try:
             current.start()
-            ones = [torch.ones_like(root) for root in roots]
-            current.run([EngineRun(ROOT, tuple(roots), ones, True)])
-            current.resolve(ROOT)
+            current.run_roots()
             current.flood()
         except Exception as exc:
             current.fail(exc)
@@ -160,7 +156,12 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
                 current._check_done()
             except Exception as exc:
                 current.fail(exc)
-    current.done.wait()
+    try:
+        current.done.wait()
+    except BaseException:
+        _metrics.pass_ended(current.worker_id, time.perf_counter() - started, failed=True)
+        raise
+    _metrics.pass_ended(current.worker_id, time.perf_counter() - started, failed=False)
 
 
 def _lost_gradients(current: Pass, bound: float) -> RpcTimeoutError:
@@ -186,14 +187,29 @@ def _lost_gradients(current: Pass, bound: float) -> RpcTimeoutError:
     )
 
 
-def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> tuple[Pass, bool]:
-    """The pass ``pass_id`` on this worker, joining it if new; True if this message is the first."""
+def _stale(ctx: DistAutogradContext, pass_id: tuple[int, int]) -> bool:
+    """True for a pass that is over here or that a later pass of its caller superseded: its
+    late messages are dropped (quietly: a failed pass's stragglers are no error)."""
+    if pass_id in ctx.ended_passes:
+        return True
+    current: Pass | None = ctx.pass_state
+    return (
+        current is not None and current.pass_id[0] == pass_id[0] and pass_id[1] < current.pass_id[1]
+    )
+
+
+def _join(
+    ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool, src: int
+) -> tuple[Pass, bool]:
+    """The pass ``pass_id`` on this worker, joining it if new (``src``'s message is then its
+    first, answered when this worker's part is done); True if this message is the first."""
     current: Pass | None = ctx.pass_state
     if current is not None and current.pass_id == pass_id:
         return current, False
     if current is not None:
         current.fail(BackwardError("superseded by a new backward pass"))
     joined = Pass(ctx, pass_id, retain, None, _MESSAGES)
+    joined.parent = src
     ctx.pass_state = joined
     try:
         joined.start()
@@ -202,19 +218,19 @@ def _join(ctx: DistAutogradContext, pass_id: tuple[int, int], retain: bool) -> t
     return joined, True
 
 
-def _reply_for(current: Pass, first: bool) -> torch.futures.Future[None]:
+def _reply_for(current: Pass, first: bool) -> torch.futures.Future[Any]:
     return current.done if first else _done_future()
 
 
 @async_execution
 def _start_message(
     context_id: int, pass_id: tuple[int, int], retain: bool, src: int
-) -> torch.futures.Future[None]:
+) -> torch.futures.Future[Any]:
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
-        if ctx.last_pass_id == pass_id:
+        if _stale(ctx, pass_id):
             return _done_future()
-        current, first = _join(ctx, pass_id, retain)
+        current, first = _join(ctx, pass_id, retain, src)
         current.in_touch.add(src)
         current.heard_from.add(src)
         if first:
@@ -226,22 +242,24 @@ def _start_message(
 
 
 @async_execution
-def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
-    context_id, pass_id, retain, src, update = message
+def _grad_message(message: GradMessage) -> torch.futures.Future[Any]:
+    context_id, pass_id, retain, src, updates = message
     ctx = CONTAINER.retrieve_context(context_id)
     with ctx.lock:
-        if ctx.last_pass_id == pass_id:  # a straggler of a pass already over here
+        if _stale(ctx, pass_id):  # a straggler of a pass already over here
+            _log.debug("dropped a gradient message of pass %s (over here)", pass_id)
             return _done_future()
-        current, first = _join(ctx, pass_id, retain)
+        current, first = _join(ctx, pass_id, retain, src)
         current.in_touch.add(src)
         current.heard_from.add(src)
         if current.finished:
             return _reply_for(current, first)
         if current.driver is not None:  # never the first message: answered at once
-            current.driver.put(update)
+            for update in updates:
+                current.driver.put(update)
             return _done_future()
         try:
-            current.on_grad_messages([update])
+            current.on_grad_messages(list(updates))
             if first:
                 current.flood()
         except Exception as exc:
@@ -249,20 +267,36 @@ def _grad_message(message: GradMessage) -> torch.futures.Future[None]:
         return _reply_for(current, first)
 
 
+def _late(message: GradMessage) -> None:
+    """A one-way gradient message on a worker thread: nothing waits for an answer, so one
+    that finds no context (its pass failed and the context is gone) is dropped quietly."""
+    if CONTAINER.get_context(message.context_id) is None:
+        _log.debug("dropped a gradient message for context %s (gone)", message.context_id)
+        return
+    try:
+        _grad_message(message)
+    except Exception as exc:  # (the context went away in between)
+        _log.debug("dropped a gradient message for context %s: %s", message.context_id, exc)
+
+
 @on_io_thread
 def _late_grad_message(message: GradMessage) -> None:
     """A gradient message that needs no answer (I/O thread). On the worker that called
     backward it goes straight to the driving thread's queue; elsewhere to a worker thread."""
     ctx = CONTAINER.get_context(message.context_id)
-    current = None if ctx is None else ctx.pass_state
+    if ctx is None:
+        _log.debug("dropped a gradient message for context %s (gone)", message.context_id)
+        return
+    current = ctx.pass_state
     if current is not None and current.pass_id == message.pass_id and current.driver is not None:
         current.in_touch.add(message.src)
         current.heard_from.add(message.src)
-        current.driver.put(message.update)
+        for update in message.updates:
+            current.driver.put(update)
         return
     agent = current_agent()
     if agent is not None:
-        agent.schedule(lambda: _grad_message(message))
+        agent.schedule(lambda: _late(message))
 
 
 #: what every pass sends its peers (``_pass`` is below this module: it is handed them)

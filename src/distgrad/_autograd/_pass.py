@@ -1,20 +1,23 @@
 """One distributed backward pass as one worker sees it (:class:`Pass`): its sources, recv
-functions, engine runs and messages; the pass's messages and the parts of its state. The
-module docstring of ``_engine`` explains how a pass runs."""
+functions, engine runs and messages. The module docstring of ``_engine`` explains how a pass
+runs; ``_plan`` how a run keeps each node to one execution per pass."""
 
 from __future__ import annotations
 
 import itertools
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import time
+from collections import Counter
+from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
-from .._errors import DistgradError
 from .._rpc._core import current_agent, set_future_error
 from .._rpc._core import profiling as _profiling
+from .._rpc._core import tracing as _tracing
+from . import _metrics
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,
@@ -22,129 +25,40 @@ from ._functions import (
     Reach,
     RecvRecord,
     SendRecord,
+    edge_roots,
     reach_of,
-    run_engine,
 )
-from ._hooks import (
-    GRAD_LOCK,
-    HookedLeaf,
-    borrowed_grads,
-    hooks_set_aside,
-    is_hooked,
-    run_accumulators,
+from ._grad_messages import (
+    BackwardError,
+    GradMessage,
+    GradUpdate,
+    PassMessages,
+    done_future,
 )
+from ._hooks import HookedLeaf
+from ._plan import Waiting, add_grads, plan
+from ._run import execute, flush_hooked
+from ._sources import Answer as _Answer
+from ._sources import RecvState as _RecvState
+from ._sources import Source as _Source
+from ._sources import edges as _edges
+
+__all__ = [
+    "ROOT",
+    "BackwardError",
+    "GradMessage",
+    "GradUpdate",
+    "Pass",
+    "PassMessages",
+]
 
 _profiler_enabled: Any = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 ROOT = -1  # the source key of the roots; send functions use their message id
 
-
 _pass_ids = itertools.count()
 _ALL_PASSES: set[Pass] = set()
 _PASSES_LOCK = threading.Lock()
-
-
-class BackwardError(DistgradError):
-    """A distributed backward pass failed (a ``RuntimeError``, as torch's error).
-
-    The message is the hop-by-hop chain, each worker prefixing ``Error on Node N: `` as the
-    error travels back to the caller of ``backward``, e.g. ``Error on Node 0: Error on Node 1:
-    boom``. The context survives the failure."""
-
-    verbatim_over_rpc = True
-
-
-def _done_future() -> torch.futures.Future[None]:
-    future: torch.futures.Future[None] = torch.futures.Future()
-    future.set_result(None)
-    return future
-
-
-class GradUpdate(NamedTuple):
-    """Gradients for one send function of a pass (or, with ``grads`` None, only its final
-    marker): what the driving thread's queue and :meth:`Pass.on_grad_messages` take."""
-
-    msg_id: int
-    grads: list[torch.Tensor] | None
-    #: the last message for this send function: ``total`` messages carried gradients
-    final: bool
-    total: int
-
-
-class GradMessage(NamedTuple):
-    """A gradient message between workers (the one argument of ``_grad_message`` and
-    ``_late_grad_message``)."""
-
-    context_id: int
-    pass_id: tuple[int, int]
-    retain: bool
-    src: int
-    update: GradUpdate
-
-
-class EngineRun(NamedTuple):
-    """One source of an engine run: its roots (tensors or gradient edges) and their
-    gradients; ``last``: the source's last run (its graph need not be retained for it)."""
-
-    key: int
-    roots: tuple[Any, ...]
-    grads: list[torch.Tensor]
-    last: bool
-
-
-class PassMessages(NamedTuple):
-    """The handlers of a pass's messages to its peers: the engine's (``_engine`` makes every
-    pass with them; this module is below it and never imports it)."""
-
-    #: ``(context_id, pass_id, retain, src)``: join a worker that gets no gradient message
-    start: Callable[..., Any]
-    #: a first gradient message to a worker (answered when that worker's part is done)
-    grad: Callable[..., Any]
-    #: a later one (one-way)
-    late_grad: Callable[..., Any]
-
-
-class _Answer:
-    """For the driving thread: the answer to one of its first messages."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException | None) -> None:
-        self.error = error
-
-
-class _Source:
-    __slots__ = (
-        "accumulators",
-        "expected",
-        "final_seen",
-        "key",
-        "leaves",
-        "processed",
-        "recvs",
-        "resolved",
-        "shared",
-    )
-
-    def __init__(self, key: int) -> None:
-        self.key = key
-        self.leaves: dict[int, torch.Tensor] = {}
-        self.accumulators: dict[int, Any] = {}  # the leaves' AccumulateGrad nodes
-        self.recvs: set[int] = set()
-        self.shared = False
-        self.resolved = False
-        self.final_seen = False
-        self.expected = 0
-        self.processed = 0
-
-
-class _RecvState:
-    __slots__ = ("final", "record", "sent", "sources")
-
-    def __init__(self, record: RecvRecord) -> None:
-        self.record = record
-        self.sources: set[int] = set()
-        self.sent = 0
-        self.final = False
+_done_future = done_future  # (the engine's name for it)
 
 
 class Pass:
@@ -166,17 +80,40 @@ class Pass:
         self.worker_id = CONTAINER.worker_id
         self.sources: dict[int, _Source] = {}
         self.recvs: dict[int, _RecvState] = {}
+        self.recv_nodes: dict[int, int] = {}  # id(recv node) -> its message id
+        #: shared node id -> the number of pending sources that reach it (``_plan``)
+        self.blockers: dict[int, int] = {}
+        #: gradients at nodes that could not run yet, by (node id, input nr)
+        self.waiting: dict[tuple[int, int], Waiting] = {}
         self.outstanding = 0  # first messages sent whose answer has not come yet
         # workers known to take part: those messaged, and those a message came from
         self.in_touch: set[int] = set()
         self.heard_from: set[int] = set()
-        self.done: torch.futures.Future[None] = torch.futures.Future()
+        #: completed when this worker's part is: the answer to the first message (its value:
+        #: the updates for that message's sender, or None)
+        self.done: torch.futures.Future[Any] = torch.futures.Future()
+        #: the worker whose first message of the pass this worker answers (None: the caller)
+        self.parent: int | None = None
         self.finished = False
         #: on the worker that called backward: gradient messages and answers for its thread
         self.driver: queue.SimpleQueue[GradUpdate | _Answer | None] | None = None
         self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
         #: leaves whose gradient meets hooks, by id: they are accumulated once per pass
         self.hooked: dict[int, HookedLeaf] = {}
+        #: gradient bytes this worker sent to peers in the pass (the metrics)
+        self.grad_bytes = 0
+        #: this worker's part of the pass as a span of the pass's trace (calls traced only)
+        self.span: _tracing.Span | None = None
+        if _tracing.active:
+            self.span = _pass_span(pass_id, self.worker_id)
+        #: torch older than 2.4 cannot start its engine at a node (``edge_roots``): each
+        #: message then runs at once, and a shared node runs once per message
+        self.once = edge_roots()
+        #: a run of this pass ran nodes with part of their gradient: later runs keep the graph
+        self.partial = False
+        #: updates for peers, gathered during a step and sent one message per peer
+        self._outbox: dict[tuple[int, Any], list[GradUpdate]] = {}
+        self._device_maps: dict[tuple[int, Any], Any] = {}
 
     # -- joining -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -184,8 +121,9 @@ class Pass:
         ctx = self.ctx
         sends: dict[int, SendRecord] = dict(ctx.send_functions)
         recv_records: dict[int, RecvRecord] = dict(ctx.recv_functions)
-        by_node = {id(r.node): r.msg_id for r in recv_records.values()}
+        by_node = self.recv_nodes
         for msg_id, record in recv_records.items():
+            by_node[id(record.node)] = msg_id
             self.recvs[msg_id] = _RecvState(record)
         reaches: dict[int, Reach] = {k: r.get_reach() for k, r in sends.items()}
         if self.roots is not None:
@@ -205,6 +143,17 @@ class Pass:
                         other.shared = True
             seen.update(ids)
             self.sources[key] = source
+        if self.roots is not None:
+            self.sources[ROOT].roots = tuple(self.roots)
+        shared = [key for key, source in self.sources.items() if source.shared]
+        if shared:
+            counts: Counter[int] = Counter()
+            for key in shared:
+                counts.update(reaches[key].nodes.keys())
+            self.blockers = {node: n for node, n in counts.items() if n > 1}
+            for key in shared:
+                blockers = self.blockers
+                self.sources[key].blocks = [n for n in reaches[key].nodes if n in blockers]
         for key, source in self.sources.items():
             for msg_id in source.recvs:
                 self.recvs[msg_id].sources.add(key)
@@ -228,103 +177,174 @@ class Pass:
                     (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id),
                 )
 
+    def run_roots(self) -> None:
+        """The roots' run (on the worker that called ``backward``)."""
+        assert self.roots is not None
+        source = self.sources[ROOT]
+        source.grads = [torch.ones_like(root) for root in self.roots]
+        source.final_seen = True
+        self._advance([source])
+
+    # -- resolution ----------------------------------------------------------------------------
+    def on_grad_messages(self, messages: list[GradUpdate]) -> None:
+        """Process gradient messages: resolve the sources they complete and run torch's engine
+        once for all that this lets run."""
+        resolved: list[_Source] = []
+        for msg_id, grads, final, total in messages:
+            source = self.sources.get(msg_id)
+            record: SendRecord | None = self.ctx.send_functions.get(msg_id)
+            if source is None or record is None:
+                raise BackwardError(
+                    f"Could not find send function for autograd message id: {msg_id}"
+                )
+            if source.resolved:
+                continue  # (a duplicate)
+            if final:
+                source.final_seen = True
+                source.expected = total
+            if grads is not None:
+                source.processed += 1
+                if _profiler_enabled():  # the send function's event, as torch's node has
+                    with torch.autograd.profiler.record_function(SEND_NAME):
+                        pass
+                if not source.roots:
+                    source.roots = record.get_roots()
+                source.add(grads)
+                if not self.once:  # (an older torch: every message runs at once)
+                    last = source.final_seen and source.processed == source.expected
+                    self._run_now(source, last)
+            if source.final_seen and source.processed == source.expected:
+                resolved.append(source)
+        self._advance(resolved)
+
+    def resolve(self, key: int) -> None:
+        """Resolve a source that gets no gradient in this pass."""
+        source = self.sources[key]
+        source.final_seen = True
+        self._advance([source])
+
+    def _advance(self, resolved: list[_Source]) -> None:
+        """Resolve sources (their nodes are no longer blocked by them), run what that lets
+        run, send what the run gives the peers, and check for completion."""
+        replan = False
+        for source in resolved:
+            if source.resolved:
+                continue
+            source.resolved = True
+            if source.blocks:
+                replan = True
+                blockers = self.blockers
+                for node in source.blocks:
+                    blockers[node] -= 1
+        if not self.once:  # (the roots: a message's gradients ran when it came)
+            for source in resolved:
+                if source.grads is not None:
+                    self._run_now(source, True)
+        else:
+            fast = [s for s in resolved if s.grads is not None and not s.shared]
+            slow = [s for s in resolved if s.grads is not None and s.shared]
+            if fast or slow or (replan and self.waiting):
+                self._run(fast, slow, replan)
+        self._flush_recvs()
+
     # -- running torch's engine ------------------------------------------------------------------
-    def run(self, items: list[EngineRun]) -> None:
-        """One engine run from several sources."""
-        outputs: list[Any] = []
-        grad_outputs: list[torch.Tensor] = []
+    def _run(self, fast: list[_Source], slow: list[_Source], replan: bool) -> None:
+        """One engine run: from the resolved sources that share no node (as they are), and --
+        through a plan -- from the shared ones and the gradients waiting at nodes."""
+        roots: list[Any] = []
+        grads: list[torch.Tensor] = []
         leaves: dict[int, torch.Tensor] = {}
         accumulators: dict[int, Any] = {}
         recv_ids: set[int] = set()
-        retain = self.retain_graph
-        finishing: list[_Source] = []
-        for key, outs, grads, last in items:
-            source = self.sources[key]
-            outputs.extend(outs)
-            grad_outputs.extend(grads)
+        for source in fast:
+            roots.extend(source.roots)
+            grads.extend(source.take())
             leaves.update(source.leaves)
             accumulators.update(source.accumulators)
             recv_ids.update(source.recvs)
-            retain = retain or source.shared or not last
-            if last:
-                finishing.append(source)
-        leaf_list = list(leaves.values())
+        captures: list[tuple[Any, int]] = []
+        retain = self.retain_graph
+        if slow or replan:
+            candidates = self.waiting
+            self.waiting = {}
+            for source in slow:
+                for root, grad in zip(_edges(source.roots), source.take(), strict=True):
+                    key = (id(root.node), root.output_nr)
+                    waiting = candidates.get(key)
+                    if waiting is None:
+                        waiting = candidates[key] = Waiting(root.node, root.output_nr)
+                    waiting.grad = add_grads(waiting.grad, grad)
+            todo = plan(
+                [waiting.node for waiting in candidates.values()], self.blockers, self.recv_nodes
+            )
+            for key, waiting in candidates.items():
+                node_id = id(waiting.node)
+                if node_id in todo.live:
+                    assert waiting.grad is not None
+                    roots.append(GradientEdge(waiting.node, waiting.nr))
+                    grads.append(waiting.grad)
+                elif node_id in todo.later:
+                    self.waiting[key] = waiting
+            leaves.update(todo.leaves)
+            accumulators.update(todo.accumulators)
+            recv_ids.update(self.recv_nodes[node] for node in todo.recv_nodes)
+            captures = todo.captures
+            if todo.partial:  # (see ``_plan._widen``: some nodes run again later)
+                self.partial = True
+            retain = retain or self.partial
+        if roots:
+            self._execute(roots, grads, leaves, accumulators, recv_ids, captures, retain)
+
+    def _run_now(self, source: _Source, last: bool) -> None:
+        """A message's run on an older torch: at once, keeping the graph unless it is the
+        source's last run and it shares no node."""
+        retain = self.retain_graph or source.shared or not last
+        self._execute(
+            list(source.roots),
+            source.take(),
+            dict(source.leaves),
+            source.accumulators,
+            set(source.recvs),
+            [],
+            retain,
+        )
+        self._send_outbox()
+
+    def _execute(
+        self,
+        roots: list[Any],
+        grads: list[torch.Tensor],
+        leaves: dict[int, torch.Tensor],
+        accumulators: dict[int, Any],
+        recv_ids: set[int],
+        captures: list[tuple[Any, int]],
+        retain: bool,
+    ) -> None:
+        """Run torch's engine from ``roots`` (``_run``); queue the recv functions' gradients
+        for their peers, keep what flowed into the ``captures`` edges for later runs."""
         recv_list = sorted(recv_ids)
-        inputs: list[Any] = list(leaf_list)
-        for msg_id in recv_list:
-            inputs.extend(self.recvs[msg_id].record.edges)
-        if not inputs:
+        recv_edges = [self.recvs[msg_id].record.edges for msg_id in recv_list]
+        done = execute(
+            self.ctx, roots, grads, leaves, accumulators, recv_edges, captures, retain, self.hooked
+        )
+        if done is None:
             return
-        hooked = [leaf for leaf in leaf_list if is_hooked(leaf, accumulators[id(leaf)])]
-        if hooked:
-            with GRAD_LOCK, hooks_set_aside(hooked, "_backward_hooks"):
-                captured = list(run_engine(outputs, grad_outputs, inputs, retain))
-        else:
-            captured = list(run_engine(outputs, grad_outputs, inputs, retain))
-        # The run takes the incoming gradients over: once torch's engine is done with them,
-        # nothing here refers to them any more (the message's lists are emptied), so what the
-        # engine built on them -- a sparse gradient's values are a view of the embedding
-        # output's gradient -- may be stored without a copy when no user code kept them.
-        grad_outputs.clear()
-        for item in items:
-            if isinstance(item.grads, list):
-                item.grads.clear()
-        position = len(leaf_list)
-        recv_grads: list[list[torch.Tensor | None]] = []
-        for msg_id in recv_list:
-            width = len(self.recvs[msg_id].record.edges)
-            recv_grads.append(captured[position : position + width])
-            position += width
-        hooked_ids = {id(leaf) for leaf in hooked}
-        pairs = []
-        for index, leaf in enumerate(leaf_list):
-            grad = captured[index]
-            if grad is None:
-                continue
-            captured[index] = None  # (the pair holds the engine's gradient alone: see below)
-            if id(leaf) in hooked_ids:
-                pending = self.hooked.get(id(leaf))
-                if pending is None:
-                    pending = self.hooked[id(leaf)] = HookedLeaf(leaf, accumulators[id(leaf)])
-                pending.add(grad)
-            else:
-                pairs.append((leaf, grad))
-        grad = None
-        if pairs:
-            # a gradient that only its pair refers to is taken over without a copy
-            self.ctx.accumulate_grads(pairs)
-        del pairs
-        # Sources whose last message this was are resolved *before* the recv gradients go out,
-        # so a recv function they finish sends its gradients and "final" in one message.
-        for source in finishing:
-            source.resolved = True
+        recv_grads, captured = done
+        for (node, nr), grad in zip(captures, captured, strict=True):
+            if grad is not None:
+                key = (id(node), nr)
+                waiting = self.waiting.get(key)
+                if waiting is None:
+                    waiting = self.waiting[key] = Waiting(node, nr)
+                waiting.grad = add_grads(waiting.grad, grad)
         for msg_id, captured_recv in zip(recv_list, recv_grads, strict=True):
             state = self.recvs[msg_id]
             self._send_grads(state, state.record.fill(captured_recv))
 
-    def _flush_hooked(self) -> None:
-        """Run the hooks of hooked leaves that no unresolved source can reach any more, once,
-        on their whole gradient of this pass (``_hooks``)."""
-        ready = [
-            pending
-            for key, pending in self.hooked.items()
-            if pending.grad is not None
-            and all(s.resolved for s in self.sources.values() if key in s.leaves)
-        ]
-        if not ready:
-            return
-        ctx = self.ctx
-        # every hooked leaf of the pass is lent: a reducer's last hook may write any of them
-        lent = [pending.variable for pending in self.hooked.values()]
-        with GRAD_LOCK, CONTAINER.forced_current(ctx.context_id):
-            with borrowed_grads(lent, ctx.grads_of(lent)):
-                run_accumulators(ready)
-                results = [(variable, variable.grad) for variable in lent]
-            ctx.replace_grads(results)
-
     # -- messages --------------------------------------------------------------------------------
     def _send_grads(self, state: _RecvState, grads: list[torch.Tensor] | None) -> None:
-        """Send gradients (or, with ``None``, only the final marker) for a recv function."""
+        """Queue gradients (or, with ``None``, only the final marker) for a recv function;
+        :meth:`_send_outbox` sends what a step queued, one message per peer."""
         if grads is not None:
             state.sent += 1
         final = self._recv_ready(state)
@@ -334,19 +354,44 @@ class Pass:
             return
         if _profiler_enabled():  # the recv function's event: torch's node sends its gradients
             with torch.autograd.profiler.record_function(RECV_NAME):
-                self._send_grad_message(state, grads, final)
+                self._queue(state, grads, final)
         else:
-            self._send_grad_message(state, grads, final)
+            self._queue(state, grads, final)
 
-    def _send_grad_message(
-        self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool
-    ) -> None:
+    def _queue(self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool) -> None:
         record = state.record
-        update = GradUpdate(record.msg_id, grads, final, state.sent)
-        message = GradMessage(
-            self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id, update
+        if grads:  # (counted here, inline: reported once, when this part of the pass ends)
+            for grad in grads:
+                if grad is not None:
+                    if grad.layout is _STRIDED:
+                        self.grad_bytes += grad.nbytes
+                    else:
+                        self.grad_bytes += _metrics.tensor_bytes(grad)
+        device_map = record.device_map
+        key = (record.src, id(device_map) if device_map else 0)
+        updates = self._outbox.get(key)
+        if updates is None:
+            updates = self._outbox[key] = []
+            self._device_maps[key] = device_map
+        updates.append(GradUpdate(record.msg_id, grads, final, state.sent))
+
+    def _send_outbox(self) -> None:
+        """Send the queued updates: one message per peer (and device map)."""
+        outbox = self._outbox
+        if not outbox:
+            return
+        self._outbox = {}
+        device_maps = self._device_maps
+        self._device_maps = {}
+        ctx_id, pass_id, retain, me = (
+            self.ctx.context_id,
+            self.pass_id,
+            self.retain_graph,
+            self.worker_id,
         )
-        self._message(record.src, self.messages.grad, (message,), record.device_map)
+        for key, updates in outbox.items():
+            message = GradMessage(ctx_id, pass_id, retain, me, tuple(updates))
+            self._message(key[0], self.messages.grad, (message,), device_maps[key])
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -355,11 +400,44 @@ class Pass:
         """Run the hooks of leaves that are complete; send final markers for recv functions
         whose sources are all resolved."""
         if self.hooked:
-            self._flush_hooked()
+            sources = self.sources.values()
+            flush_hooked(
+                self.ctx,
+                self.hooked,
+                lambda key: all(s.resolved for s in sources if key in s.leaves),
+            )
         for state in self.recvs.values():
             if not state.final and self._recv_ready(state):
                 self._send_grads(state, None)
+        held = self._hold_for_parent()
+        self._send_outbox()
+        if held is not None:
+            if self._complete():
+                # This worker's part is done with this step: the answer to the first message
+                # carries what it had for that message's sender (one frame, one wake-up less).
+                self._finish()
+                self.done.set_result(held)
+                return
+            self._queue_updates(self.parent, held)
+            self._send_outbox()
         self._check_done()
+
+    def _hold_for_parent(self) -> tuple[GradUpdate, ...] | None:
+        """The updates queued for the worker whose first message this worker answers (plain
+        ones: no device map, no profiler), taken out of the outbox."""
+        parent = self.parent
+        if parent is None or _profiling.wants(self.messages.grad):
+            return None
+        updates = self._outbox.pop((parent, 0), None)
+        if updates is None:
+            return None
+        del self._device_maps[(parent, 0)]
+        return tuple(updates)
+
+    def _queue_updates(self, worker: int | None, updates: tuple[GradUpdate, ...]) -> None:
+        assert worker is not None
+        self._outbox[(worker, 0)] = list(updates)
+        self._device_maps[(worker, 0)] = None
 
     def _message(
         self,
@@ -373,21 +451,27 @@ class Pass:
             raise BackwardError(
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
-        if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
-            self._message_profiled(agent, worker, func, args)
-            return
-        if worker in self.heard_from:
-            # It already takes part, so this is not its first message: it needs no answer
-            # (one would say nothing about the work it causes, which that worker's own part
-            # covers, and waiting for it would add a round trip). A one-way message; a failure
-            # there fails that worker's part, which reaches the caller of backward through its
-            # own first message's answer; a lost peer is reported by the agent.
-            assert func is self.messages.grad  # START goes only to workers not in touch yet
-            agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
-            return
-        agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
-        self.in_touch.add(worker)
-        self.outstanding += 1
+        span = self.span  # its messages are calls of the pass's trace (when traced)
+        previous = _tracing.set_current(span) if span is not None else None
+        try:
+            if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
+                self._message_profiled(agent, worker, func, args)
+                return
+            if worker in self.heard_from:
+                # It already takes part, so this is not its first message: it needs no answer
+                # (one would say nothing about the work it causes, which that worker's own part
+                # covers, and waiting for it would add a round trip). A one-way message; a failure
+                # there fails that worker's part, which reaches the caller of backward through its
+                # own first message's answer; a lost peer is reported by the agent.
+                assert func is self.messages.grad  # START goes only to workers not in touch yet
+                agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
+                return
+            agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
+            self.in_touch.add(worker)
+            self.outstanding += 1
+        finally:
+            if span is not None:
+                _tracing.set_current(previous)
 
     def _message_profiled(self, agent: Any, worker: int, func: Any, args: tuple[Any, ...]) -> None:
         """As :meth:`_message`, as a request through ``call_async`` (which records it in the
@@ -413,86 +497,70 @@ class Pass:
 
         future.add_done_callback(answered)
 
-    def _on_answer(self, _result: Any, error: BaseException | None) -> None:
-        """The answer to a first message (on the I/O thread: quick, no lock here)."""
+    def _on_answer(self, result: Any, error: BaseException | None) -> None:
+        """The answer to a first message (on the I/O thread: quick, no lock here); it may carry
+        the answering worker's last gradient updates for this one (``_flush_recvs``)."""
+        updates: tuple[GradUpdate, ...] = result if isinstance(result, tuple) else ()
         driver = self.driver
         if driver is not None:
+            for update in updates:
+                driver.put(update)
             driver.put(_Answer(error))
             return
         agent = current_agent()
         if agent is not None:
-            agent.schedule(lambda: self._answered(error))
+            agent.schedule(lambda: self._answered(error, updates))
 
-    def _answered(self, error: BaseException | None) -> None:
+    def _answered(self, error: BaseException | None, updates: tuple[GradUpdate, ...]) -> None:
         with self.ctx.lock:
             self.outstanding -= 1
             if error is not None:
                 self.fail(error)
+            elif updates and not self.finished:
+                try:
+                    self.on_grad_messages(list(updates))
+                except Exception as exc:
+                    self.fail(exc)
             else:
                 self._check_done()
 
-    # -- resolution and completion ---------------------------------------------------------------
-    def resolve(self, key: int) -> None:
-        self.sources[key].resolved = True
-        self._flush_recvs()
-
-    def on_grad_messages(self, messages: list[GradUpdate]) -> None:
-        """Process gradient messages: the ones with gradients in one engine run (a subgraph
-        shared by their send functions then runs once for all of them)."""
-        items: list[EngineRun] = []
-        touched: list[int] = []
-        for msg_id, grads, final, total in messages:
-            source = self.sources.get(msg_id)
-            record: SendRecord | None = self.ctx.send_functions.get(msg_id)
-            if source is None or record is None:
-                raise BackwardError(
-                    f"Could not find send function for autograd message id: {msg_id}"
-                )
-            if final:
-                source.final_seen = True
-                source.expected = total
-            if grads is not None:
-                source.processed += 1
-                last = source.final_seen and source.processed == source.expected
-                if _profiler_enabled():  # the send function's event, as torch's node has
-                    with torch.autograd.profiler.record_function(SEND_NAME):
-                        pass
-                items.append(EngineRun(msg_id, record.get_roots(), grads, last))
-            touched.append(msg_id)
-        if items:
-            self.run(items)
-        for msg_id in touched:
-            source = self.sources[msg_id]
-            if source.final_seen and source.processed == source.expected:
-                source.resolved = True
-        self._flush_recvs()
+    # -- completion ------------------------------------------------------------------------------
+    def _complete(self) -> bool:
+        return (
+            not self.finished
+            and self.outstanding == 0
+            and all(s.resolved for s in self.sources.values())
+            and all(r.final for r in self.recvs.values())
+        )
 
     def _check_done(self) -> None:
-        if self.finished or self.outstanding > 0:
-            return
-        if not all(s.resolved for s in self.sources.values()):
-            return
-        if not all(r.final for r in self.recvs.values()):
-            return
-        self._finish()
-        self.done.set_result(None)
+        if self._complete():
+            self._finish()
+            self.done.set_result(None)
 
     def fail(self, error: BaseException) -> None:
         if self.finished:
             return
-        self._finish()
+        self._finish("error")
         detail = str(error) if str(error) else repr(error)
         failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
         set_future_error(self.done, failure)
 
-    def _finish(self) -> None:
+    def _finish(self, status: str = "ok") -> None:
         self.finished = True
+        if self.grad_bytes:
+            _metrics.gradients_sent(self.worker_id, self.grad_bytes)
+            self.grad_bytes = 0
+        if self.span is not None:
+            self.span.end(status)
+            self.span = None
         if self.driver is not None:
             self.driver.put(None)  # wake the driving thread
         if self.ctx.pass_state is self:
             self.ctx.pass_state = None
-        self.ctx.last_pass_id = self.pass_id
+        self.ctx.ended_passes.add(self.pass_id)
         self._keep.clear()
+        self.waiting = {}  # (gradients that never ran: a failed pass, or nodes leading nowhere)
         with _PASSES_LOCK:
             _ALL_PASSES.discard(self)
 
@@ -502,3 +570,24 @@ class Pass:
             if key != ROOT and not source.resolved and self.ctx.send_functions[key].dst == worker:
                 return True
         return False
+
+
+_STRIDED = torch.strided
+
+
+def _pass_span(pass_id: tuple[int, int], worker: int) -> _tracing.Span:
+    """This worker's span of the pass ``pass_id``: the trace's root on the worker that drives
+    it, a child of that root elsewhere (ids derived from the pass id: ``pass_trace``)."""
+    agent = current_agent()
+    trace_id, root = _tracing.pass_trace(pass_id)
+    driver = pass_id[0] == worker
+    return _tracing.Span(
+        name="distgrad.autograd.backward" if driver else "distgrad.autograd.backward part",
+        trace_id=trace_id,
+        span_id=root if driver else _tracing.new_span_id(),
+        parent_id=None if driver else root,
+        kind="internal",
+        worker=agent.worker_info.name if agent is not None else str(worker),
+        start_ns=time.time_ns(),
+        attributes={"distgrad.pass_id": f"{pass_id[0]}:{pass_id[1]}"},
+    )

@@ -19,6 +19,7 @@ from .. import autograd as _autograd
 from .. import nn as _nn
 from .. import optim as _optim
 from .. import rpc as _rpc
+from .._rpc import _api as _api_impl
 from ..nn.api import remote_module as _remote_module
 from ._hooks import after_import, alias, target
 from ._rebind import Table
@@ -207,6 +208,14 @@ def substitute() -> None:
             getattr(sys.modules.get(name), "DistributedOptimizer", None),
             _optim.DistributedOptimizer,
         )
+    # torch.futures.wait_all / collect_all stop at the first failed distgrad future
+    for name, ours in (
+        ("wait_all", _api_impl.futures_wait_all),
+        ("collect_all", _api_impl.futures_collect_all),
+    ):
+        if getattr(torch.futures, name) is not ours:
+            table.add(getattr(torch.futures, name), ours)
+            setattr(torch.futures, name, ours)
     after_import("torch.distributed.nn", _fix_nn)
     after_import("torch.distributed.nn.api", _fix_nn_api)
     after_import("torch.distributed.optim", _fix_optim)

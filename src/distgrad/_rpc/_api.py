@@ -262,7 +262,7 @@ def rpc_async(
         future = agent.call_async(dst, func, args, kwargs, timeout, force=not is_builtin(func))
     except PeerFailureError as exc:  # as torch's: a peer known dead fails the future
         future = failed_future(exc, agent._pools)
-    collected = getattr(_wait_all_state, "futures", None)
+    collected = getattr(_wait_all_state, "future_list", None)
     if collected is not None:
         collected.append(future)
     return future
@@ -348,13 +348,16 @@ def wait_all() -> Iterator[None]:
     """Collect the futures of ``rpc_async`` calls made in the block and wait for them on exit
     (torch's ``rpc._wait_all``); the first of them to fail ends the wait with its error, as
     torch's does, without waiting for the others."""
-    previous = getattr(_wait_all_state, "futures", None)
-    _wait_all_state.futures = []
+    previous = getattr(_wait_all_state, "future_list", None)
+    _wait_all_state.future_list = []
     try:
         yield
     finally:  # as the reference: the futures are waited for even when the block raises
-        futures = _wait_all_state.futures
-        _wait_all_state.futures = previous
+        futures = _wait_all_state.future_list
+        if previous is None:  # (torch's tests check that the attribute is gone afterwards)
+            del _wait_all_state.future_list
+        else:
+            _wait_all_state.future_list = previous
         _wait_until_all_or_one_failed(futures)
 
 
@@ -392,6 +395,58 @@ def _wait_until_all_or_one_failed(futures: list[torch.futures.Future[Any]]) -> N
     failed = gate.wait()
     if failed is not None:
         failed.wait()  # raises its error (a fresh copy, with this thread's traceback)
+
+
+#: torch's own, as they were before any switch (the switch puts the two below in their place)
+_TORCH_WAIT_ALL = torch.futures.wait_all
+_TORCH_COLLECT_ALL = torch.futures.collect_all
+
+
+def futures_wait_all(futures: list[torch.futures.Future[Any]]) -> list[Any]:
+    """``torch.futures.wait_all`` under the switch: with distgrad futures among ``futures``,
+    the first one to fail ends the wait with its error, as torch's does with its own (torch's
+    C++ wait cannot see a pure-Python future's failure); otherwise torch's function."""
+    futures = list(futures)
+    if not any(isinstance(f, RpcFuture) for f in futures):
+        return _TORCH_WAIT_ALL(futures)
+    _wait_until_all_or_one_failed(futures)
+    return [f.wait() for f in futures]
+
+
+def futures_collect_all(
+    futures: list[torch.futures.Future[Any]],
+) -> torch.futures.Future[list[torch.futures.Future[Any]]]:
+    """``torch.futures.collect_all`` under the switch: the combined future fails as soon as
+    one of the distgrad futures among ``futures`` fails (with its error), and completes with
+    the list once all have; otherwise torch's function."""
+    futures = list(futures)
+    if not any(isinstance(f, RpcFuture) for f in futures):
+        return _TORCH_COLLECT_ALL(futures)
+    combined: Any = RpcFuture()
+    combined._pools = next((f._pools for f in futures if isinstance(f, RpcFuture)), ())
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def done(future: torch.futures.Future[Any]) -> None:
+        try:
+            future.wait()
+            error: BaseException | None = None
+        except BaseException as exc:
+            error = exc
+        with lock:
+            if combined.done():
+                return
+            left[0] -= 1
+            if error is not None:
+                combined.set_exception(error)
+            elif left[0] == 0:
+                combined.set_result(futures)
+
+    if not futures:
+        combined.set_result(futures)
+    for future in futures:
+        future.add_done_callback(done)
+    return cast(torch.futures.Future[list[torch.futures.Future[Any]]], combined)
 
 
 def get_rpc_timeout() -> float:

@@ -401,7 +401,7 @@ def _is_plain(obj: Any) -> bool:
 def _encode_inline(
     obj: Any, cache: _ThreadPicklers | ChosenPicklers, device_check: DeviceCheck | None
 ) -> Encoded:
-    if _is_plain(obj):
+    if cache is _cached and _is_plain(obj):  # (a chosen pickler pickles everything)
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
     if _routes_cpu(device_check):
         file, buffers, pickler = _fresh(cache.routed)

@@ -1,8 +1,11 @@
 """``distgrad.rpc.api`` (as ``torch.distributed.rpc.api``): the group helpers, and the private
-names of torch's module that libraries call (``_require_initialized``, ``_all_gather``,
-``AllGatherStates``; docs/libraries.md lists them)."""
+names of torch's module that libraries and torch's own RPC tests use (``_require_initialized``,
+``_all_gather``, ``AllGatherStates``, ``_wait_all`` with ``_thread_local_var``,
+``_use_rpc_pickler``; docs/libraries.md lists them)."""
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from .._rpc import _api as _api_impl
@@ -20,6 +23,8 @@ from .._rpc._core import current_agent as _current_agent
 from .._rpc._group import _collectives
 from .._rpc._rrefs._rref import RRef
 from .._rpc._rrefs._rref_context import context_of
+from .._wire._choice import set_pickler
+from .internal import _internal_rpc_pickler, _InternalRPCPickler
 
 __all__ = ["RRef", "get_worker_info", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown"]
 
@@ -27,6 +32,44 @@ __all__ = ["RRef", "get_worker_info", "init_rpc", "remote", "rpc_async", "rpc_sy
 _ignore_rref_leak = True
 
 _wait_all = _api_impl.wait_all
+#: torch's thread-local of ``_wait_all``: ``future_list`` collects ``rpc_async``'s futures
+_thread_local_var = _api_impl._wait_all_state
+#: the pickler in use (torch's name; ``_use_rpc_pickler`` changes it)
+_default_pickler: Any = _internal_rpc_pickler
+
+
+@contextlib.contextmanager
+def _use_rpc_pickler(rpc_pickler: Any) -> Iterator[None]:
+    """Pickle this process's messages with ``rpc_pickler`` inside the block (torch's private
+    helper, which code like verl's TorchRPC backend uses to send lambdas and closures with
+    dill): an ``internal._InternalRPCPickler`` subclass that overrides ``_pickler(f)`` /
+    ``_unpickler(f)``, or anything the ``pickler=`` option takes (the ``dill`` module).
+    Tensors still travel out of band.
+
+    Raises:
+        TypeError: the pickler overrides ``serialize`` / ``deserialize`` (distgrad's messages
+            are its own format), or has no pickle shape.
+        ValueError: it fails a round trip.
+    """
+    global _default_pickler
+    if isinstance(rpc_pickler, _InternalRPCPickler):
+        for method in ("serialize", "deserialize"):
+            if getattr(type(rpc_pickler), method) is not getattr(_InternalRPCPickler, method):
+                raise TypeError(
+                    f"{type(rpc_pickler).__name__} overrides {method}(): distgrad pickles its "
+                    "messages itself -- override _pickler(f) / _unpickler(f) to choose the "
+                    "pickle library (or pass the library, e.g. the dill module)"
+                )
+    default = rpc_pickler is _internal_rpc_pickler or type(rpc_pickler) is _InternalRPCPickler
+    previous = set_pickler(None if default else rpc_pickler)
+    before, _default_pickler = _default_pickler, rpc_pickler
+    try:
+        yield
+    finally:
+        _default_pickler = before
+        set_pickler(previous)
+
+
 _all_gather = _collectives.all_gather
 _barrier = _collectives.barrier
 # what the leader of _all_gather calls on each follower (torch's name)
