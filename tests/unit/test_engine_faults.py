@@ -81,14 +81,14 @@ PROGRAMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "reentrant": reentrant,
     "unused": unused,
 }
-#: the workers each program sends a first gradient message (``_grad_message``) to in its
-#: backward pass: where a worker can die at its first gradient. (reentrant calls only worker1;
-#: in unused, worker3 gets one too -- the final message, with no gradients, of the recv
-#: function no source reaches -- and nobody calls worker2.)
 #: the programs whose passes send one-way (later) gradient messages: in the others, each worker
 #: sends its gradients for the worker whose first message it answers in that answer
 ONE_WAY_SENDERS = {"reentrant"}
 
+#: the workers each program sends a first gradient message (``_grad_message``) to in its
+#: backward pass: where a worker can die at its first gradient. (reentrant calls only worker1;
+#: in unused, worker3 gets one too -- the final message, with no gradients, of the recv
+#: function no source reaches -- and nobody calls worker2.)
 GRADIENT_RECEIVERS: dict[str, tuple[int, ...]] = {
     "chain": (1, 2, 3),
     "fanout": (1, 2, 3),
