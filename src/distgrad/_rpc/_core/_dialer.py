@@ -65,7 +65,7 @@ class Dialer:
                 target=self._drain, args=(rank,), name=f"distgrad-dial-{rank}", daemon=True
             )
             self._threads[rank] = thread
-        thread.start()
+            thread.start()  # (under the lock: stop() never finds a thread not started yet)
 
     def _drain(self, rank: int) -> None:
         if self._on_start is not None:

@@ -107,8 +107,7 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
                 if sum(counts.values()) == 0:
                     break
     finally:
-        set_current_agent(None)
-        agent.stop(graceful=graceful)
+        _stop_then_clear(agent, graceful)
     _check_rref_leaks(agent)
 
 
@@ -131,9 +130,18 @@ def _leave(agent: RpcAgent, graceful: bool, timeout: float) -> None:
             store = agent.keepalive[0] if agent.keepalive else None
             _dynamic.leave_group(agent, store, budget)
     finally:
-        set_current_agent(None)
-        agent.stop(graceful=graceful)
+        _stop_then_clear(agent, graceful)
     _check_rref_leaks(agent)
+
+
+def _stop_then_clear(agent: RpcAgent, graceful: bool) -> None:
+    """Stop the agent, then clear the process's agent: its workers may still be serving a
+    peer's last message (a gather that arrives after this worker's gather ended) and must
+    find their agent, not "RPC has not been initialized"."""
+    try:
+        agent.stop(graceful=graceful)
+    finally:
+        set_current_agent(None)
 
 
 _DEAD_PEER_RREF_DRAIN_S = 1.0
