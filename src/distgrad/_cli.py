@@ -1,6 +1,7 @@
 """The command line: ``distgrad demo`` (train a model split across local workers),
-``distgrad run`` (start N local workers of a script, as torchrun does on one host) and
-``distgrad slurm`` (run one worker as a Slurm task, with torchrun's environment)."""
+``distgrad run`` (start N local workers of a script, as torchrun does on one host),
+``distgrad slurm`` (run one worker as a Slurm task, with torchrun's environment) and
+``distgrad top`` (a live view of a running group's members, through their metrics endpoints)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import os
 
 from . import _demo, _launcher, _slurm
+from ._observe import _top
 
 __all__ = ["main"]
 
@@ -15,7 +17,8 @@ _DESCRIPTION = (
     "distgrad: distributed autograd over RPC for PyTorch. 'distgrad demo' trains a model "
     "split across local worker processes; 'distgrad run' starts N local worker processes of a "
     "script, as torchrun does on one host; 'distgrad slurm' runs one worker of a script as a "
-    "Slurm task (srun ... distgrad slurm train.py), across hosts."
+    "Slurm task (srun ... distgrad slurm train.py), across hosts; 'distgrad top' shows a running "
+    "group's members live, through their metrics endpoints."
 )
 
 
@@ -26,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo": _demo.add_parser(sub),
         "run": _launcher.add_parser(sub),
         "slurm": _slurm.add_parser(sub),
+        "top": _top.add_parser(sub),
     }
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # report it with the command's own usage, not the top-level one
@@ -37,4 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         return _launcher.run(args)
     if args.command == "slurm":
         return _slurm.run(args)
+    if args.command == "top":
+        return _top.run(args)
     return 2

@@ -42,7 +42,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rpc: group", ("distgrad._rpc._group",)),
     ("rpc: public functions", ("distgrad._rpc._api", "distgrad._rpc")),
     ("autograd", ("distgrad._autograd",)),
-    ("optim, nn, profiler", ("distgrad._optim", "distgrad._nn", "distgrad._profiler")),
+    (
+        "optim, nn, profiler, observability",
+        ("distgrad._optim", "distgrad._nn", "distgrad._profiler", "distgrad._observe"),
+    ),
     ("testing tools (in-memory worlds)", ("distgrad._testing",)),
     (
         "public modules",

@@ -61,9 +61,9 @@ def add(a: int, b: int) -> int:
 
 def test_distgrad_registers_autograd_profiler_and_rrefs_once() -> None:
     """Importing the public modules registers one autograd, one profiling and one RRef layer,
-    each holding its role."""
+    each holding its role, and the metrics endpoint's (no role)."""
     names = [layer.name for layer in _layer.layers()]
-    assert sorted(names) == ["autograd", "profiler", "rrefs"]
+    assert sorted(names) == ["autograd", "observe", "profiler", "rrefs"]
     assert isinstance(_layer.call_recorder(), AutogradLayer)
     assert isinstance(_layer.call_profiler(), ProfilingLayer)
     assert isinstance(_layer.reference_tracker(), RRefLayer)

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any
 
 import torch
 
 from .._errors import RpcTimeoutError, rpc_timeout_message
 from .._rpc._core import async_execution, current_agent, on_io_thread
+from . import _metrics
 from ._cleanup import release_orphans
 from ._context import CONTAINER, DistAutogradContext
 from ._grad_messages import BackwardError, GradMessage, GradUpdate, PassMessages
@@ -95,6 +97,7 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
             "backward(): incompatible function arguments. The following argument types are "
             "supported: (context_id: int, roots: List[Tensor], retain_graph: bool = False)"
         )
+    started = time.perf_counter()
     ctx = CONTAINER.retrieve_context(context_id)
     roots = list(roots)
     _validate_roots(roots)
@@ -153,7 +156,12 @@ def _backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool) ->
                 current._check_done()
             except Exception as exc:
                 current.fail(exc)
-    current.done.wait()
+    try:
+        current.done.wait()
+    except BaseException:
+        _metrics.pass_ended(current.worker_id, time.perf_counter() - started, failed=True)
+        raise
+    _metrics.pass_ended(current.worker_id, time.perf_counter() - started, failed=False)
 
 
 def _lost_gradients(current: Pass, bound: float) -> RpcTimeoutError:

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from .._rpc._core import LayerAgent
-from . import _cleanup, _engine
+from . import _cleanup, _engine, _metrics
 from ._context import CONTAINER
 from ._recording import AutogradRecording
 
@@ -35,6 +35,15 @@ class AutogradLayer(AutogradRecording):
 
     def on_peer_failure(self, agent: LayerAgent, worker: int, error: Exception) -> None:
         _engine.on_peer_failure(worker, error)
+
+    def metrics(self, agent: LayerAgent) -> Mapping[str, float]:
+        figures: dict[str, float] = {}
+        if CONTAINER.initialized:
+            info = CONTAINER.debug_info()
+            figures["autograd_contexts"] = info["num_autograd_contexts"]
+            figures["backward_passes_running"] = info["num_current_backward_passes"]
+        figures.update(_metrics.figures(agent.worker_info.id))
+        return figures
 
     def backward(self, context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
         _engine.backward(context_id, roots, retain_graph)

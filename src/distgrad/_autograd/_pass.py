@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from torch.autograd.graph import GradientEdge
 
 from .._rpc._core import current_agent, set_future_error
 from .._rpc._core import profiling as _profiling
+from .._rpc._core import tracing as _tracing
+from . import _metrics
 from ._context import CONTAINER, DistAutogradContext
 from ._functions import (
     RECV_NAME,
@@ -99,6 +102,12 @@ class Pass:
         self._keep: list[Reach] = []  # graph node wrappers stay alive while ids are compared
         #: leaves whose gradient meets hooks, by id: they are accumulated once per pass
         self.hooked: dict[int, HookedLeaf] = {}
+        #: gradient bytes this worker sent to peers in the pass (the metrics)
+        self.grad_bytes = 0
+        #: this worker's part of the pass as a span of the pass's trace (calls traced only)
+        self.span: _tracing.Span | None = None
+        if _tracing.active:
+            self.span = _pass_span(pass_id, self.worker_id)
         #: torch older than 2.4 cannot start its engine at a node (``edge_roots``): each
         #: message then runs at once, and a shared node runs once per message
         self.once = edge_roots()
@@ -338,6 +347,13 @@ class Pass:
 
     def _queue(self, state: _RecvState, grads: list[torch.Tensor] | None, final: bool) -> None:
         record = state.record
+        if grads:  # (counted here, inline: reported once, when this part of the pass ends)
+            for grad in grads:
+                if grad is not None:
+                    if grad.layout is _STRIDED:
+                        self.grad_bytes += grad.nbytes
+                    else:
+                        self.grad_bytes += _metrics.tensor_bytes(grad)
         update = GradUpdate(record.msg_id, grads, final, state.sent)
         self._outbox.add(record.src, record.device_map, update)
 
@@ -404,21 +420,27 @@ class Pass:
             raise BackwardError(
                 "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
             )
-        if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
-            self._message_profiled(agent, worker, func, args)
-            return
-        if worker in self.heard_from:
-            # It already takes part, so this is not its first message: it needs no answer
-            # (one would say nothing about the work it causes, which that worker's own part
-            # covers, and waiting for it would add a round trip). A one-way message; a failure
-            # there fails that worker's part, which reaches the caller of backward through its
-            # own first message's answer; a lost peer is reported by the agent.
-            assert func is self.messages.grad  # START goes only to workers not in touch yet
-            agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
-            return
-        agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
-        self.in_touch.add(worker)
-        self.outstanding += 1
+        span = self.span  # its messages are calls of the pass's trace (when traced)
+        previous = _tracing.set_current(span) if span is not None else None
+        try:
+            if _profiling.wants(func):  # a profiled pass: through the agent's profiled calls
+                self._message_profiled(agent, worker, func, args)
+                return
+            if worker in self.heard_from:
+                # It already takes part, so this is not its first message: it needs no answer
+                # (one would say nothing about the work it causes, which that worker's own part
+                # covers, and waiting for it would add a round trip). A one-way message; a failure
+                # there fails that worker's part, which reaches the caller of backward through its
+                # own first message's answer; a lost peer is reported by the agent.
+                assert func is self.messages.grad  # START goes only to workers not in touch yet
+                agent.notify(worker, self.messages.late_grad, args, device_map=device_map)
+                return
+            agent.call_internal(worker, func, args, self._on_answer, device_map=device_map)
+            self.in_touch.add(worker)
+            self.outstanding += 1
+        finally:
+            if span is not None:
+                _tracing.set_current(previous)
 
     def _message_profiled(self, agent: Any, worker: int, func: Any, args: tuple[Any, ...]) -> None:
         """As :meth:`_message`, as a request through ``call_async`` (which records it in the
@@ -497,13 +519,19 @@ class Pass:
     def fail(self, error: BaseException) -> None:
         if self.finished:
             return
-        self._finish()
+        self._finish("error")
         detail = str(error) if str(error) else repr(error)
         failure = BackwardError(f"Error on Node {self.worker_id}: {detail}")
         set_future_error(self.done, failure)
 
-    def _finish(self) -> None:
+    def _finish(self, status: str = "ok") -> None:
         self.finished = True
+        if self.grad_bytes:
+            _metrics.gradients_sent(self.worker_id, self.grad_bytes)
+            self.grad_bytes = 0
+        if self.span is not None:
+            self.span.end(status)
+            self.span = None
         if self.driver is not None:
             self.driver.put(None)  # wake the driving thread
         if self.ctx.pass_state is self:
@@ -520,3 +548,24 @@ class Pass:
             if key != ROOT and not source.resolved and self.ctx.send_functions[key].dst == worker:
                 return True
         return False
+
+
+_STRIDED = torch.strided
+
+
+def _pass_span(pass_id: tuple[int, int], worker: int) -> _tracing.Span:
+    """This worker's span of the pass ``pass_id``: the trace's root on the worker that drives
+    it, a child of that root elsewhere (ids derived from the pass id: ``pass_trace``)."""
+    agent = current_agent()
+    trace_id, root = _tracing.pass_trace(pass_id)
+    driver = pass_id[0] == worker
+    return _tracing.Span(
+        name="distgrad.autograd.backward" if driver else "distgrad.autograd.backward part",
+        trace_id=trace_id,
+        span_id=root if driver else _tracing.new_span_id(),
+        parent_id=None if driver else root,
+        kind="internal",
+        worker=agent.worker_info.name if agent is not None else str(worker),
+        start_ns=time.time_ns(),
+        attributes={"distgrad.pass_id": f"{pass_id[0]}:{pass_id[1]}"},
+    )

@@ -108,6 +108,9 @@ class TransportStatistics:
     #: heartbeat ticks that found this process itself had not been running for more than a
     #: heartbeat interval (and so judged no peer's silence)
     stalls: int = 0
+    #: the verdicts given on peers: ``(rank, kind, cause, count)`` -- kinds ``suspected``,
+    #: ``dead``, ``recovered``, ``restarted`` (see ``_suspicion.PeerVerdicts``)
+    peer_events: tuple[tuple[int, str, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +176,14 @@ class Link(Protocol):
 
 
 class FrameHandler(Protocol):
-    """What a transport calls (the RPC agent implements it); on the I/O thread."""
+    """What a transport calls (the RPC agent implements it); on the I/O thread, except as
+    :meth:`on_frame` says."""
 
-    def on_frame(self, link: Link, frame: Frame) -> None: ...
+    def on_frame(self, link: Link, frame: Frame) -> None:
+        """A frame arrived, handed on by the thread that read it: the I/O thread, or (the
+        socket transport's plain connections) a caller reading its own answer or a worker
+        lingering for its peer's next request -- which hands on requests only; every other
+        frame it reads goes to the I/O thread, in order."""
 
     def on_connection_lost(self, link: Link, error: Exception, *, peer_dead: bool) -> None: ...
 

@@ -216,7 +216,7 @@ class MemoryTransport:
         theirs = self._handshake(peer, mine, label) if peer is not None else None
         if theirs is None:  # nobody listens there any more: a refused connection
             error = PeerFailureError(f"could not connect to {label}: connection refused", label)
-            self._verdicts.prove_dead(rank, error)
+            self._verdicts.prove_dead(rank, error, "refused")
             raise error
         assert peer is not None
         mine.incarnation = peer.config.incarnation
@@ -360,7 +360,9 @@ class MemoryTransport:
         error = PeerFailureError(f"the connection to {label} was severed", label)
         with self._lock:
             links = [link for link in self._links if link.peer == rank]
-            self._verdicts.prove_dead(rank, error)  # at once: the next send must not reconnect
+            self._verdicts.prove_dead(
+                rank, error, "severed"
+            )  # at once: the next send must not reconnect
         for link in links:
             link.close(error)
 
@@ -436,5 +438,6 @@ class MemoryTransport:
             handshakes_failed=0,
             protocol_errors=self._protocol_errors,
             dead_peers=self._verdicts.dead_peers(),
+            peer_events=self._verdicts.event_counts(),
             stalls=self._judge.stalls,
         )

@@ -62,6 +62,10 @@ class PeerVerdicts:
         #: the incarnation known for each rank (read on every frame: see :meth:`is_current`)
         self.incarnations: dict[int, int] = {}
         self._retired: set[tuple[int, int]] = set()
+        #: verdicts given, counted by (rank, kind, cause): ``suspected`` (``link_lost``),
+        #: ``dead`` (``goodbye``, ``refused``, ``fail_stop``, ``severed``, ``left``, ``proof``),
+        #: ``recovered`` (a suspected peer answered), ``restarted`` (a new incarnation)
+        self._events: dict[tuple[int, str, str], int] = {}
 
     # -- reading -------------------------------------------------------------------------------
     def is_dead(self, rank: int) -> bool:
@@ -72,6 +76,16 @@ class PeerVerdicts:
 
     def dead_peers(self) -> tuple[int, ...]:
         return tuple(sorted(self._dead))
+
+    def event_counts(self) -> tuple[tuple[int, str, str, int], ...]:
+        """The verdicts given so far: ``(rank, kind, cause, count)``."""
+        with self._lock:
+            return tuple((*key, n) for key, n in sorted(self._events.items()))
+
+    def _count(self, rank: int, kind: str, cause: str) -> None:
+        with self._lock:
+            key = (rank, kind, cause)
+            self._events[key] = self._events.get(key, 0) + 1
 
     def check_alive(self, rank: int) -> None:
         """Raise the peer's failure if it is dead, or if a reconnect to it failed a moment ago
@@ -84,15 +98,19 @@ class PeerVerdicts:
             raise PeerFailureError(str(unreachable[1]), unreachable[1].peer)
 
     # -- proof and suspicion ---------------------------------------------------------------------
-    def prove_dead(self, rank: int, error: PeerFailureError) -> None:
+    def prove_dead(self, rank: int, error: PeerFailureError, cause: str = "proof") -> None:
         """Proof that ``rank`` is gone (a refused connect, a severed link); the first proof's
         error is kept."""
+        if rank not in self._dead:
+            self._count(rank, "dead", cause)
         self._dead.setdefault(rank, error)
 
     def departed(self, rank: int, error: Exception) -> None:
         """``rank`` left the group (a dynamic group's graceful departure)."""
         if not isinstance(error, PeerFailureError):
             error = PeerFailureError(str(error), self._label(rank))
+        if rank not in self._dead:
+            self._count(rank, "dead", "left")
         with self._lock:
             self._dead[rank] = error
             self._suspected.pop(rank, None)
@@ -125,8 +143,11 @@ class PeerVerdicts:
         if protocol_error:
             return False
         if goodbye or self.fail_stop or nobody_listens:
-            self.prove_dead(rank, failure)
+            cause = "goodbye" if goodbye else "refused" if nobody_listens else "fail_stop"
+            self.prove_dead(rank, failure, cause)
         elif not superseded:
+            if rank not in self._suspected:
+                self._count(rank, "suspected", "link_lost")
             self._suspected[rank] = failure
         return True
 
@@ -138,7 +159,8 @@ class PeerVerdicts:
 
     def answered(self, rank: int) -> None:
         """``rank`` answered a fresh connection: it is back."""
-        self._suspected.pop(rank, None)
+        if self._suspected.pop(rank, None) is not None:
+            self._count(rank, "recovered", "answered")
         self._unreachable.pop(rank, None)
 
     # -- incarnations --------------------------------------------------------------------------
@@ -162,6 +184,8 @@ class PeerVerdicts:
             if known is None or known == incarnation:
                 return True, None
             self._retired.add((rank, known))
+            key = (rank, "restarted", "incarnation")
+            self._events[key] = self._events.get(key, 0) + 1
             self._dead.pop(rank, None)
             self._suspected.pop(rank, None)
             self._unreachable.pop(rank, None)

@@ -55,6 +55,7 @@ _INTERNAL_PREFIXES = (
     "distgrad._optim.",
     "distgrad._nn.",
     "distgrad._profiler.",
+    "distgrad._observe.",
     "distgrad.rpc.",
     "distgrad.autograd.",
     "distgrad.nn.",

@@ -19,6 +19,7 @@ from .._errors import (
     RpcShutdownError,
     RpcTimeoutError,
 )
+from .._observe import _endpoint as _observe_endpoint
 from .._profiler import _server as _server_profiler
 from .._rpc import _api as _api_impl
 from .._rpc._api import (
@@ -85,6 +86,7 @@ __all__ = [
     "internal",
     "is_available",
     "members",
+    "metrics_address",
     "options",
     "register_backend",
     "remote",
@@ -93,6 +95,23 @@ __all__ = [
     "rpc_sync",
     "shutdown",
 ]
+
+_observe_endpoint.register()
+
+
+@_api_impl._require_initialized
+def metrics_address() -> str | None:
+    """The ``host:port`` of this worker's metrics endpoint (Prometheus text at ``/metrics``,
+    JSON at ``/json``), or ``None`` when it has none: it is opt-in, through
+    ``TensorPipeRpcBackendOptions(metrics_addr=...)`` or ``$DISTGRAD_METRICS_ADDR``
+    (docs/observability.md).
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+    """
+    endpoint = _observe_endpoint.endpoint_of(_get_current_rpc_agent())
+    return endpoint.address if endpoint is not None else None
+
 
 _set_rpc_timeout = _api_impl.set_rpc_timeout
 _wait_all = _api_impl.wait_all

@@ -8,7 +8,8 @@ named here is the core's own business.
   :func:`require_agent`, :func:`bind_thread`, :func:`set_current_agent`, ``thread_binding``;
 * workers and the agent's state: :class:`WorkerInfo`, :func:`validate_worker_name`,
   :class:`MembershipEvent`, :class:`AgentState`, :class:`AgentStatistics`,
-  :class:`PeerStatistics`;
+  :class:`PeerStatistics`, :class:`FunctionStatistics` and the metrics' fixed
+  ``LATENCY_BOUNDS`` and ``OUTCOMES``;
 * futures and functions (``_calls``, ``_functions``, ``_torchscript``, ``_messages``): what a
   call's future is and how it fails, ``@async_execution`` and the internal handlers' marks,
   TorchScript targets, message types;
@@ -20,11 +21,13 @@ named here is the core's own business.
   :class:`KeyScope`, :func:`register_layer`, :func:`call_recorder`, :func:`shutting_down`;
   and two hook modules a layer works through: ``profiling`` (``_profiling``: the profiled
   call paths, ``key_scope``, and the serving wrapper the server-side profiler sets) and
-  ``delivery`` (``_delivery``: what a request's pickled objects hear of its failure).
+  ``delivery`` (``_delivery``: what a request's pickled objects hear of its failure); and
+  ``tracing`` (``_tracing``: spans across workers, a W3C ``traceparent`` in each request).
 """
 
 from . import _delivery as delivery
 from . import _profiling as profiling
+from . import _tracing as tracing
 from ._agent import (
     RpcAgent,
     bind_thread,
@@ -68,11 +71,20 @@ from ._options import (
     register_faulty_backend,
 )
 from ._remote_error import RemoteTraceback, report_udf_error
-from ._statistics import AgentState, AgentStatistics, PeerStatistics
+from ._statistics import (
+    LATENCY_BOUNDS,
+    OUTCOMES,
+    AgentState,
+    AgentStatistics,
+    FunctionStatistics,
+    PeerStatistics,
+)
 from ._torchscript import SCRIPT_TARGETS, as_rpc_target, rref_limit
 from ._worker_info import WorkerInfo, validate_worker_name
 
 __all__ = [
+    "LATENCY_BOUNDS",
+    "OUTCOMES",
     "SCRIPT_TARGETS",
     "AgentState",
     "AgentStatistics",
@@ -80,6 +92,7 @@ __all__ = [
     "BackendValue",
     "CallRecord",
     "FaultyTensorPipeRpcBackendOptions",
+    "FunctionStatistics",
     "KeyScope",
     "LayerAgent",
     "MembershipEvent",
@@ -123,5 +136,6 @@ __all__ = [
     "set_future_error",
     "shutting_down",
     "thread_binding",
+    "tracing",
     "validate_worker_name",
 ]

@@ -19,12 +19,17 @@ delivers (:meth:`RpcAgent.on_frame`, :meth:`RpcAgent.on_connection_lost`).
 Threads, and what runs where:
 
 * the **caller's thread** pickles a request and writes it straight to the socket (no hop);
-  ``rpc_sync`` then sleeps on a lock and unpickles the response itself;
-* the **I/O thread** reads frames; a response is matched to its call and handed back to the
-  waiting caller (or, for ``rpc_async``, to the callback pool); a request goes to the worker
-  pool; it also fires timeouts and heartbeats;
+  ``rpc_sync`` then reads its connection itself until its answer is there (it holds the
+  connection's read role: ``Connection.read_until``; the I/O thread is not woken) and
+  unpickles the response -- or, when another thread reads that connection, sleeps on a lock
+  until the answer is handed over;
+* the **I/O thread** reads frames where no one else does; a response is matched to its call
+  and handed back to the waiting caller (or, for ``rpc_async``, to the callback pool); a
+  request goes to the worker pool; it also fires timeouts and heartbeats;
 * the **worker pool** (``num_worker_threads``, elastic) unpickles requests, runs user
-  functions and writes their responses; nested RPCs from a user function just block that one
+  functions and writes their responses; a worker that served a request lingers a moment on
+  its connection for the peer's next request and runs it itself
+  (``Connection.serve_lingering``); nested RPCs from a user function just block that one
   worker thread;
 * the **callback pool** completes ``rpc_async`` futures, so user callbacks (``then``,
   ``add_done_callback``) never run on the I/O thread and may themselves make RPCs.
@@ -177,6 +182,8 @@ class RpcAgent:
         #: per-worker state of the layers above (keyed by the layer's key): RRefs keep their
         #: tables here; autograd its contexts, for isolated agents
         self.layer_state: dict[object, object] = {}
+        #: the cluster secret, once the transport started (the metrics endpoint's guard)
+        self.secret: bytes | None = None
         #: what the stages share: the state, the transport once started, the default timeout
         self._shared = Shared(self.worker_info, options.rpc_timeout)
         self._io = IoThread(on_start=bind)
@@ -315,6 +322,7 @@ class RpcAgent:
             incarnation=self.incarnation,
             dynamic=self.dynamic,
         )
+        self.secret = secret
         _layer.agent_starting(self)
         self._io.start()
         self._io.call_soon(join_openmp_runtime)
@@ -393,6 +401,7 @@ class RpcAgent:
 
     def _membership_event(self, kind: MembershipKind, info: WorkerInfo, incarnation: int) -> None:
         event = MembershipEvent(kind, info, incarnation, time.time())
+        self._stats.membership(kind)
         _log.info("membership: %s", event)
         for listener in list(self.membership_listeners):
             self._callbacks.submit(listener, event)
@@ -520,7 +529,17 @@ class RpcAgent:
             requests_in_flight=self._workers.busy(),
             peers=self._stats.peers(names),
             transport=self._transport.statistics() if self._transport is not None else None,
+            membership=self._stats.membership_counts(),
+            uptime=self._stats.uptime,
+            layers=self._layer_metrics(),
         )
+
+    def _layer_metrics(self) -> dict[str, float]:
+        previous = bind_thread(self)
+        try:
+            return _layer.layer_metrics(self)
+        finally:
+            bind_thread(previous)
 
     def __repr__(self) -> str:
         info = self.worker_info

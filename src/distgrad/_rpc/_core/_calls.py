@@ -178,12 +178,16 @@ class _Call:
         "conn",
         "error",
         "frame",
+        "function",
         "future",
+        "held",
         "internal",
         "lock",
         "sending",
         "settle",
         "slot",
+        "span",
+        "started",
         "timeout",
     )
 
@@ -205,6 +209,14 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: its sender holds the connection's read role, to read the answer itself
+        self.held = False
+        #: what it is counted under (``_statistics.function_label``), and when it was made
+        #: (``time.perf_counter()``): the agent's metrics
+        self.function = ""
+        self.started = 0.0
+        #: its caller's span, when calls are traced (``_tracing``)
+        self.span: Any = None
         #: its sender is writing the request: a loss of the link meanwhile is the sender's to
         #: judge (the frame may not have left: it is then sent again), not the I/O thread's
         self.sending = True

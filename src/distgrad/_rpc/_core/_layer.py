@@ -55,6 +55,7 @@ __all__ = [
     "RpcLayer",
     "call_profiler",
     "call_recorder",
+    "layer_metrics",
     "layers",
     "register_layer",
     "shutting_down",
@@ -138,6 +139,11 @@ class RpcLayer:
 
     def on_agent_stop(self, agent: LayerAgent) -> None:
         """The agent stopped (gracefully or not): its threads ended, every call failed."""
+
+    def metrics(self, agent: LayerAgent) -> Mapping[str, float]:
+        """Any thread, ``agent`` bound to it: this layer's figures for the agent's metrics
+        (each exposed as ``distgrad_<name>``: see docs/observability.md); quick, no RPC."""
+        return {}
 
     # -- records calls -------------------------------------------------------------------------
     # A callee's *state* for a request is the id of the context its function runs in
@@ -387,3 +393,14 @@ def agent_stopped(agent: LayerAgent) -> None:
             layer.on_agent_stop(agent)
         except Exception:
             _log.exception("RPC layer %r failed when %s stopped", layer.name, agent.worker_info)
+
+
+def layer_metrics(agent: LayerAgent) -> dict[str, float]:
+    """Every layer's :meth:`~RpcLayer.metrics` for ``agent``; one that raises is logged."""
+    figures: dict[str, float] = {}
+    for layer in _layers:
+        try:
+            figures.update(layer.metrics(agent))
+        except Exception:
+            _log.debug("RPC layer %r failed to report its metrics", layer.name, exc_info=True)
+    return figures

@@ -108,6 +108,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             always allowed. Also ``DISTGRAD_ALLOWED_CALLS`` / ``DISTGRAD_ALLOWED_CLASSES``
             (comma-separated). A refused request fails with an error naming what was refused;
             the connection stays up (docs/security.md).
+        metrics_addr (str, optional): ``host:port`` (port 0: any) of this worker's metrics
+            endpoint -- Prometheus text at ``/metrics``, JSON at ``/json`` (what ``distgrad
+            top`` reads); off by default; also ``$DISTGRAD_METRICS_ADDR``. Where the host is
+            not loopback, requests need the bearer token derived from the cluster secret, and
+            with TLS contexts it is served over TLS (docs/observability.md).
 
     Raises:
         ValueError: ``num_worker_threads`` below 1, TLS with only one context, a
@@ -144,6 +149,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         pickler: Any = None,
         allowed_calls: Iterable[Any] | None = None,
         allowed_classes: Iterable[Any] | None = None,
+        metrics_addr: str | None = None,
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if num_worker_threads < 1:
@@ -172,6 +178,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.pickler = pickler
         self.allowed_calls = None if allowed_calls is None else list(allowed_calls)
         self.allowed_classes = None if allowed_classes is None else list(allowed_classes)
+        self.metrics_addr = metrics_addr
         for to, device_map in (device_maps or {}).items():
             self.set_device_map(to, device_map)
         if devices:

@@ -31,7 +31,7 @@ from ..._transport._base import Link
 from ..._transport._io import IoThread
 from ..._wire._frames import Frame, Kind
 from ..._wire._pickler import decode, encode, loads
-from . import _delivery, _layer, _profiling
+from . import _delivery, _layer, _profiling, _tracing
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, set_future_error
 from ._codec import Codec
@@ -40,7 +40,16 @@ from ._messages import describe_request
 from ._pool import ThreadPool, member_pool
 from ._remote_error import exception_from_payload
 from ._shared import Shared
-from ._statistics import StatisticsRecorder
+from ._statistics import (
+    FUNCTION_LABELS,
+    OTHER,
+    OUTCOMES,
+    PEER_FAILURE,
+    REMOTE,
+    TIMEOUT,
+    StatisticsRecorder,
+    function_label,
+)
 from ._worker_info import WorkerInfo
 
 __all__ = ["Outgoing"]
@@ -50,6 +59,13 @@ _log = logging.getLogger("distgrad.rpc")
 
 #: what an internal call's answer is handed to: ``(result, error)``
 AnswerCallback = Callable[[Any, BaseException | None], None]
+
+
+def _let_go(call: _Call) -> None:
+    """Give back the read role the sender of ``call`` took for its answer, if it did."""
+    if call.held:
+        call.held = False
+        call.conn.release_read()  # type: ignore[attr-defined]
 
 
 class Outgoing:
@@ -101,7 +117,21 @@ class Outgoing:
         if self._shared.state.stopped:
             raise self._shared.stopped_error("REQUEST")
         assert self._shared.transport is not None
-        conn = self._shared.transport.connection(dst.id)
+        span = None
+        if _tracing.active:  # the caller's span; its traceparent travels as a 4th element
+            span = _tracing.client(
+                self._shared.worker_info.name, dst.name, function_label(payload[0])
+            )
+            payload = (*payload, _tracing.traceparent(span))
+        try:
+            conn = self._shared.transport.connection(dst.id)
+        except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
+            self._stats.sent(dst.id, 0)
+            function = function_label(payload[0])
+            self._stats.answered(dst.id, 0, function, 0.0, PEER_FAILURE)
+            if span is not None:
+                span.end("peer_failure")
+            raise
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
         made: list[CallRecord | None] = []  # the extension's ext, once made
@@ -141,6 +171,12 @@ class Outgoing:
             internal=internal,
             callback=callback,
         )
+        try:  # (the cache's common case inline: no call)
+            call.function = FUNCTION_LABELS[payload[0]]
+        except (KeyError, TypeError):
+            call.function = function_label(payload[0])
+        call.started = time.perf_counter()
+        call.span = span
         if settle:
             call.settle = settle
         if not internal:
@@ -152,6 +188,9 @@ class Outgoing:
         if self._shared.describe:
             wrapped = bool(made) and made[0] is not None
             info = describe_request(payload[0], payload[1], wrapped=wrapped)
+        if future is None and callback is None:  # rpc_sync: its caller will read the answer
+            hold = getattr(conn, "hold_read", None)  # (taken before the request goes out,
+            call.held = hold is not None and hold()  # so the answer cannot reach another)
         try:
             try:
                 conn.send_frame(
@@ -161,6 +200,7 @@ class Outgoing:
                 # The connection was found dead before any byte of the request left: the peer
                 # cannot have run it, so it goes once more, on a fresh connection. (The loss
                 # of the link left this call alone: it is still being sent, see _call_table.)
+                _let_go(call)
                 if calls.pop(cid) is None:  # the agent stopped meanwhile
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
@@ -169,8 +209,9 @@ class Outgoing:
                     Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
                 )
         except FrameNotSentError as exc:
+            _let_go(call)
             if calls.pop(cid) is not None:
-                self._done(call)
+                self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, False)
             raise PeerFailureError(
                 f"{exc} (the request was not sent: it was tried again on a new connection, "
@@ -178,6 +219,7 @@ class Outgoing:
                 exc.peer,
             ) from exc
         except BaseException:
+            _let_go(call)
             if calls.pop(cid) is not None:
                 self._done(call)
             _delivery.run_failure_callbacks(call.settle, False)  # (nothing was written)
@@ -190,7 +232,8 @@ class Outgoing:
         # out before this one was in, or while it was being written (see _call_table), so
         # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
-            self._done(call)
+            _let_go(call)
+            self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
         return call
@@ -203,8 +246,8 @@ class Outgoing:
             if self._shared.state.stopped:
                 raise self._shared.stopped_error("REQUEST")
             conn = self._shared.transport.connection(dst.id)
-        except BaseException:
-            self._done(call)
+        except BaseException as exc:
+            self._done(call, PEER_FAILURE if isinstance(exc, PeerFailureError) else OTHER)
             raise
         _log.debug("resending call %d to %s on a new connection: %s", call.cid, dst.name, error)
         self._stats.resent(dst.id)
@@ -245,10 +288,25 @@ class Outgoing:
         if pool is not None:  # a pool thread waiting here frees its slot meanwhile
             pool.enter_blocking()
         try:
-            if call.timeout > 0:
-                if not lock.acquire(timeout=call.timeout):
+            timeout = call.timeout
+            # Waiting alone, the caller reads its own answer off the connection (no thread
+            # woken to hand it over); if another thread reads it, the answer is handed over.
+            read_until = getattr(call.conn, "read_until", None)
+            if read_until is None:
+                answered = False
+            elif timeout > 0:
+                started = time.monotonic()
+                answered = read_until(lock, timeout, held=call.held)
+                timeout = max(0.001, timeout - (time.monotonic() - started))
+            else:
+                answered = read_until(lock, 0.0, held=call.held)
+            call.held = False  # (given back by read_until)
+            if answered:
+                pass
+            elif timeout > 0:
+                if not lock.acquire(timeout=timeout):
                     if self.calls.pop(call.cid) is not None:
-                        self._done(call)
+                        self._done(call, TIMEOUT)
                         _delivery.run_failure_callbacks(call.settle, True)
                         raise RpcTimeoutError(rpc_timeout_message(call.timeout))
                     lock.acquire()  # completed while we timed out: take the result
@@ -431,17 +489,30 @@ class Outgoing:
         except BaseException:
             _log.exception("unhandled error in the answer handler of an internal call")
 
-    def _done(self, call: _Call) -> None:
-        """Count a call that ended (taken out of the table)."""
+    def _done(self, call: _Call, outcome: int = OTHER) -> None:
+        """Count a call that ended (taken out of the table): ``outcome`` says how where
+        neither its answer nor its error does."""
+        seconds = time.perf_counter() - call.started
         frame = call.frame
+        error = call.error
+        if error is not None:
+            if isinstance(error, RpcTimeoutError):
+                outcome = TIMEOUT
+            elif isinstance(error, PeerFailureError):
+                outcome = PEER_FAILURE
+            else:
+                outcome = OTHER
         if frame is None:
-            self._stats.answered(call.conn.peer, 0, failed=True)
+            self._stats.answered(call.conn.peer, 0, call.function, seconds, outcome)
         else:
             size = len(frame.meta)
             if frame.buffers:
                 size += sum(buffer.nbytes for buffer in frame.buffers)
-            failed = call.error is not None or frame.kind == Kind.ERROR
-            self._stats.answered(call.conn.peer, size, failed=failed)
+            if error is None:
+                outcome = REMOTE if frame.kind == Kind.ERROR else 0
+            self._stats.answered(call.conn.peer, size, call.function, seconds, outcome)
+        if call.span is not None:
+            call.span.end(OUTCOMES[outcome])
         if not call.internal:
             with self._active_lock:
                 self._active -= 1

@@ -26,7 +26,7 @@ from ..._wire._choice import current_guard
 from ..._wire._frames import Frame, Kind
 from ..._wire._guard import RefusedError
 from ..._wire._pickler import decode, dumps, encode, loads
-from . import _layer, _profiling
+from . import _layer, _profiling, _tracing
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
 from ._lane import SerialLane
@@ -35,7 +35,7 @@ from ._messages import describe_request, describe_response
 from ._pool import ThreadPool
 from ._remote_error import error_payload, report_udf_error
 from ._shared import Shared
-from ._statistics import StatisticsRecorder
+from ._statistics import StatisticsRecorder, function_label
 from ._torchscript import is_script_function
 
 __all__ = ["Serving"]
@@ -71,6 +71,7 @@ class Serving:
         #: a block that waits for other workers (frees the worker's pool slot meanwhile)
         self._blocking = blocking
         self._lock = threading.Lock()
+        self._here = _Here()  # a worker lingering on its connection (_serve_and_linger)
         #: ``@async_execution`` requests whose future is pending
         self.serving_async = 0
         # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
@@ -86,11 +87,15 @@ class Serving:
 
     # -- receive (I/O thread) --------------------------------------------------------------------
     def on_request(self, conn: Link, frame: Frame) -> None:
+        slot = self._here.slot
+        if slot is not None and not slot:  # read by a lingering worker: it runs it itself
+            slot.append(frame)
+            return
         try:
             if self.gil_profiling:
                 self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
             else:
-                self._workers.submit(self._serve, conn, frame)
+                self._workers.submit(self._serve_and_linger, conn, frame)
         except RuntimeError:  # the pool is stopped: say so rather than let the caller wait
             self._reply_error(
                 conn,
@@ -153,6 +158,47 @@ class Serving:
             self.gil_wait[1] += 1
         self._serve(conn, frame)
 
+    def _serve_and_linger(self, conn: Link, frame: Frame) -> None:
+        """:meth:`_serve`, then, while the pool has nothing waiting, linger on ``conn`` for
+        the peer's next request and serve it on this thread: a peer calling again at once
+        wakes this worker only (``Connection.serve_lingering``)."""
+        linger = getattr(conn, "serve_lingering", None)
+        if linger is None:
+            self._serve(conn, frame)
+            return
+        pool = self._workers
+        here = self._here
+        while True:
+            # the read role is taken as soon as the reply went out (_write), so that the
+            # peer's next request rarely reaches the I/O thread first
+            here.hold = conn
+            try:
+                self._serve(conn, frame)
+            except BaseException:
+                if here.held:
+                    conn.release_read()  # type: ignore[attr-defined]
+                raise
+            finally:
+                here.hold = None
+                held, here.held = here.held, False
+            if self._shared.state.stopped or not pool.linger_start():
+                if held:
+                    conn.release_read()  # type: ignore[attr-defined]
+                return
+            slot: list[Frame] = []
+            here.slot = slot
+            try:
+                got = linger(held=held)
+            finally:
+                here.slot = None
+                pool.linger_end()
+            if not slot:
+                return
+            frame = slot[0]
+            if not got:
+                self._serve(conn, frame)
+                return
+
     def _serve(self, conn: Link, frame: Frame) -> None:
         size = len(frame.meta)
         if frame.buffers:
@@ -169,10 +215,12 @@ class Serving:
 
         references = _layer._references  # (the registry's field: no call on the call path)
         previous = references.start_collecting() if references is not None else None
+        request: Any = ()
         try:
-            _ext, (func, args, kwargs) = decode(
+            _ext, request = decode(
                 frame.meta, frame.buffers, frame.flags, on_table if extension else None
             )
+            func, args, kwargs = request[0], request[1], request[2]
         except BaseException as exc:
             if isinstance(exc, RefusedError):  # the allow-list: the error names what and why
                 error: BaseException = exc
@@ -217,10 +265,41 @@ class Serving:
             return
         del frame.buffers[:]
         state = states[0] if states else None
+        if len(request) > 3:  # a traced call: its span here, the caller's its parent
+            self._serve_traced(conn, frame, request[3], func, args, kwargs, state, arrivals)
+            return
         if arrivals is not None:
             self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
             return
         self._run(conn, frame, func, args, kwargs, state)
+
+    def _serve_traced(
+        self,
+        conn: Link,
+        frame: Frame,
+        header: object,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: int | None,
+        arrivals: Arrivals | None,
+    ) -> None:
+        """Run a request that came with a ``traceparent`` in its span (``_tracing``): the
+        calls it makes are its children. (An ``@async_execution`` function's span ends when
+        it returns its future.)"""
+        span = _tracing.server(
+            header, self._shared.worker_info.name, conn.peer_label, function_label(func)
+        )
+        previous = _tracing.set_current(span)
+        try:
+            if arrivals is not None:
+                self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
+            else:
+                self._run(conn, frame, func, args, kwargs, state)
+        finally:
+            _tracing.set_current(previous)
+            if span is not None:
+                span.end()
 
     def _serve_on_devices(
         self,
@@ -368,6 +447,20 @@ class Serving:
             conn.send_frame(kind, message_id, meta, buffers, flags)
         except DistgradError as exc:
             _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
+        here = self._here
+        if here.hold is conn and not here.held:  # a worker about to linger on conn
+            # (taken right after the reply, before the GIL may go to a thread the request
+            # released -- a follower leaving a barrier -- so the reply is out first)
+            here.held = conn.hold_read()  # type: ignore[attr-defined]
+
+
+class _Here(threading.local):
+    """Per thread: where a lingering worker keeps the request it read to run itself."""
+
+    slot: list[Frame] | None = None
+    #: the connection whose read role the reply about to be written takes, and whether it did
+    hold: object = None
+    held: bool = False
 
 
 class _ReplyLink:

@@ -15,7 +15,8 @@ sent through RPC. ``init_rpc``'s module calls it when imported.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, cast
 
 from ..._errors import RpcTimeoutError, rpc_timeout_message
 from ..._wire._pickler import register_reducer
@@ -37,6 +38,14 @@ class RRefLayer(RpcLayer):
     # (``stop_collecting`` takes back only what ``start_collecting`` returned.)
     start_collecting = staticmethod(RRefContext.start_collecting)
     stop_collecting = staticmethod(RRefContext.stop_collecting)  # type: ignore[assignment]
+
+    def metrics(self, agent: LayerAgent) -> Mapping[str, float]:
+        info = context_of(cast(RpcAgent, agent)).debug_info()
+        return {
+            "rrefs_owned": int(info["num_owner_rrefs"]),
+            "rref_forks_pending": int(info["num_forks"]),
+            "rref_users_pending": int(info["num_pending_users"]),
+        }
 
     def wait_usable(self, collected: list[Any], timeout: float | None) -> None:
         deadline = time.monotonic() + timeout if timeout is not None else None
