@@ -46,7 +46,7 @@ def after_release(ctx: DistAutogradContext, notified: frozenset[int] = frozenset
     with ctx.lock:
         running = ctx.pass_state
         if running is not None:
-            running.fail(
+            running.fail_released(
                 BackwardError(f"Could not find autograd context with id: {ctx.context_id}")
             )
     agent = current_agent()

@@ -8,7 +8,6 @@ import itertools
 import queue
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -36,9 +35,10 @@ from ._grad_messages import (
     done_future,
 )
 from ._hooks import HookedLeaf
-from ._plan import Waiting, add_grads, plan
+from ._plan import Waiting, add_grads, plan, sharing
 from ._run import execute, flush_hooked
 from ._sources import Answer as _Answer
+from ._sources import Outbox
 from ._sources import RecvState as _RecvState
 from ._sources import Source as _Source
 from ._sources import edges as _edges
@@ -94,6 +94,8 @@ class Pass:
         self.done: torch.futures.Future[Any] = torch.futures.Future()
         #: the worker whose first message of the pass this worker answers (None: the caller)
         self.parent: int | None = None
+        #: the first error an answer brought (set on the I/O thread, before it is processed)
+        self.answered_error: BaseException | None = None
         self.finished = False
         #: on the worker that called backward: gradient messages and answers for its thread
         self.driver: queue.SimpleQueue[GradUpdate | _Answer | None] | None = None
@@ -112,8 +114,7 @@ class Pass:
         #: a run of this pass ran nodes with part of their gradient: later runs keep the graph
         self.partial = False
         #: updates for peers, gathered during a step and sent one message per peer
-        self._outbox: dict[tuple[int, Any], list[GradUpdate]] = {}
-        self._device_maps: dict[tuple[int, Any], Any] = {}
+        self._outbox = Outbox()
 
     # -- joining -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,31 +130,17 @@ class Pass:
         if self.roots is not None:
             reaches[ROOT] = reach_of([root.grad_fn for root in self.roots])
         self._keep.extend(reaches.values())
-        seen: set[int] = set()
         for key, reach in reaches.items():
-            source = _Source(key)
+            source = self.sources[key] = _Source(key)
             source.leaves = reach.leaves
             source.accumulators = reach.accumulators
             source.recvs = {by_node[n] for n in reach.recv_nodes if n in by_node}
-            ids = reach.nodes.keys()
-            if not seen.isdisjoint(ids):  # shares nodes with a source before it: which ones
-                source.shared = True
-                for other_key, other in self.sources.items():
-                    if not ids.isdisjoint(reaches[other_key].nodes):
-                        other.shared = True
-            seen.update(ids)
-            self.sources[key] = source
         if self.roots is not None:
             self.sources[ROOT].roots = tuple(self.roots)
-        shared = [key for key, source in self.sources.items() if source.shared]
-        if shared:
-            counts: Counter[int] = Counter()
-            for key in shared:
-                counts.update(reaches[key].nodes.keys())
-            self.blockers = {node: n for node, n in counts.items() if n > 1}
-            for key in shared:
-                blockers = self.blockers
-                self.sources[key].blocks = [n for n in reaches[key].nodes if n in blockers]
+        self.blockers, blocks = sharing(reaches)
+        for key, shared_nodes in blocks.items():
+            self.sources[key].shared = True
+            self.sources[key].blocks = shared_nodes
         for key, source in self.sources.items():
             for msg_id in source.recvs:
                 self.recvs[msg_id].sources.add(key)
@@ -367,31 +354,17 @@ class Pass:
                         self.grad_bytes += grad.nbytes
                     else:
                         self.grad_bytes += _metrics.tensor_bytes(grad)
-        device_map = record.device_map
-        key = (record.src, id(device_map) if device_map else 0)
-        updates = self._outbox.get(key)
-        if updates is None:
-            updates = self._outbox[key] = []
-            self._device_maps[key] = device_map
-        updates.append(GradUpdate(record.msg_id, grads, final, state.sent))
+        update = GradUpdate(record.msg_id, grads, final, state.sent)
+        self._outbox.add(record.src, record.device_map, update)
 
     def _send_outbox(self) -> None:
         """Send the queued updates: one message per peer (and device map)."""
-        outbox = self._outbox
-        if not outbox:
+        if not self._outbox:
             return
-        self._outbox = {}
-        device_maps = self._device_maps
-        self._device_maps = {}
-        ctx_id, pass_id, retain, me = (
-            self.ctx.context_id,
-            self.pass_id,
-            self.retain_graph,
-            self.worker_id,
-        )
-        for key, updates in outbox.items():
-            message = GradMessage(ctx_id, pass_id, retain, me, tuple(updates))
-            self._message(key[0], self.messages.grad, (message,), device_maps[key])
+        me = (self.ctx.context_id, self.pass_id, self.retain_graph, self.worker_id)
+        for worker, device_map, updates in self._outbox.take():
+            message = GradMessage(*me, updates)
+            self._message(worker, self.messages.grad, (message,), device_map)
 
     def _recv_ready(self, state: _RecvState) -> bool:
         return all(self.sources[key].resolved for key in state.sources)
@@ -428,16 +401,12 @@ class Pass:
         parent = self.parent
         if parent is None or _profiling.wants(self.messages.grad):
             return None
-        updates = self._outbox.pop((parent, 0), None)
-        if updates is None:
-            return None
-        del self._device_maps[(parent, 0)]
-        return tuple(updates)
+        return self._outbox.pop(parent)
 
     def _queue_updates(self, worker: int | None, updates: tuple[GradUpdate, ...]) -> None:
         assert worker is not None
-        self._outbox[(worker, 0)] = list(updates)
-        self._device_maps[(worker, 0)] = None
+        for update in updates:
+            self._outbox.add(worker, None, update)
 
     def _message(
         self,
@@ -501,6 +470,8 @@ class Pass:
         """The answer to a first message (on the I/O thread: quick, no lock here); it may carry
         the answering worker's last gradient updates for this one (``_flush_recvs``)."""
         updates: tuple[GradUpdate, ...] = result if isinstance(result, tuple) else ()
+        if error is not None and self.answered_error is None:
+            self.answered_error = error  # (see ``fail_released``)
         driver = self.driver
         if driver is not None:
             for update in updates:
@@ -537,6 +508,13 @@ class Pass:
         if self._complete():
             self._finish()
             self.done.set_result(None)
+
+    def fail_released(self, error: BaseException) -> None:
+        """Fail the pass because its context was released under it. That release is often the
+        consequence of a peer's failure whose error already came back in an answer not yet
+        processed (a worker that lost a peer releases the contexts only it linked it to, and
+        tells its own peers): that error, the cause, is the one to report."""
+        self.fail(self.answered_error or error)
 
     def fail(self, error: BaseException) -> None:
         if self.finished:

@@ -26,6 +26,7 @@ it waits for.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 from ._functions import RecvRpc
 from ._hooks import has_tensor_hooks
 
-__all__ = ["Plan", "Waiting", "plan"]
+__all__ = ["Plan", "Waiting", "plan", "sharing"]
 
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 _RECV: type = RecvRpc._backward_cls  # type: ignore[attr-defined]
@@ -74,6 +75,29 @@ class Plan:
     later: set[int] = field(default_factory=set)
     #: some nodes that wait run early with part of their gradient (see :func:`plan`)
     partial: bool = False
+
+
+def sharing(reaches: Mapping[int, Any]) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """Which nodes sources share, from each source's reach (``_functions.Reach``, by source
+    key): ``(blockers, blocks)`` -- the number of sources that reach each shared node (all
+    pending when a pass starts), and for each source that shares a node with another, the
+    shared nodes it reaches. A source not in ``blocks`` shares nothing and needs no plan."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for key, reach in reaches.items():
+        ids = reach.nodes.keys()
+        if not seen.isdisjoint(ids):  # shares nodes with a source before it: which ones
+            shared.add(key)
+            shared.update(k for k in reaches if k != key and not ids.isdisjoint(reaches[k].nodes))
+        seen.update(ids)
+    if not shared:
+        return {}, {}
+    counts: Counter[int] = Counter()
+    for key in shared:
+        counts.update(reaches[key].nodes.keys())
+    blockers = {node: n for node, n in counts.items() if n > 1}
+    blocks = {key: [n for n in reaches[key].nodes if n in blockers] for key in shared}
+    return blockers, blocks
 
 
 def plan(starts: Iterable[Any], blockers: Mapping[int, int], recvs: Mapping[int, Any]) -> Plan:

@@ -1,5 +1,6 @@
 """The parts of a pass's state on one worker: its sources (where torch's engine starts) and
-its recv functions (where gradients leave), and the answers its driving thread gets."""
+its recv functions (where gradients leave), what it sends them, and the answers its driving
+thread gets."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ._functions import RecvRecord
+from ._grad_messages import GradUpdate
 from ._plan import add_grads
 
-__all__ = ["Answer", "RecvState", "Source", "edges"]
+__all__ = ["Answer", "Outbox", "RecvState", "Source", "edges"]
 
 
 class Answer:
@@ -93,3 +95,41 @@ def edges(roots: tuple[Any, ...]) -> list[GradientEdge]:
         root if isinstance(root, GradientEdge) else GradientEdge(root.grad_fn, root.output_nr)
         for root in roots
     ]
+
+
+class Outbox:
+    """The gradient updates a step of a pass queued for its peers, by peer and device map: one
+    message each (the map travels with the message, so updates under different maps do not
+    share one)."""
+
+    __slots__ = ("_maps", "_updates")
+
+    def __init__(self) -> None:
+        self._updates: dict[tuple[int, int], list[GradUpdate]] = {}
+        self._maps: dict[tuple[int, int], Any] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._updates)
+
+    def add(self, worker: int, device_map: Any, update: GradUpdate) -> None:
+        key = (worker, id(device_map) if device_map else 0)
+        updates = self._updates.get(key)
+        if updates is None:
+            updates = self._updates[key] = []
+            self._maps[key] = device_map or None
+        updates.append(update)
+
+    def pop(self, worker: int) -> tuple[GradUpdate, ...] | None:
+        """The updates for ``worker`` with no device map, taken out."""
+        updates = self._updates.pop((worker, 0), None)
+        if updates is None:
+            return None
+        del self._maps[(worker, 0)]
+        return tuple(updates)
+
+    def take(self) -> list[tuple[int, Any, tuple[GradUpdate, ...]]]:
+        """Everything queued, as ``(worker, device_map, updates)``; the outbox is then empty."""
+        taken = [(key[0], self._maps[key], tuple(u)) for key, u in self._updates.items()]
+        self._updates = {}
+        self._maps = {}
+        return taken
