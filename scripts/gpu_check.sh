@@ -7,9 +7,10 @@
 #   OUT=/some/dir scripts/gpu_check.sh
 #
 # Python: $GPU_PYTHON (default: the machine's `python3`, whose torch is a CUDA build -- its
-# version may differ from CI's), with pytest and pytest-timeout (the GPU image has them; else
-# wheels in $GPU_WHEELS, default ./.gpu_wheels, made with `pip download pytest pytest-timeout
-# -d .gpu_wheels` on a machine with network, carried along).
+# version may differ from CI's), with pytest, pytest-timeout and expecttest (the GPU image has
+# the first two, not expecttest: carry wheels in $GPU_WHEELS, default ./.gpu_wheels, made with
+# `pip download --no-deps --only-binary=:all: expecttest -d .gpu_wheels` -- and name the
+# folder in the device tool's `carry`).
 # Files written: gpu_check.log (everything), preflight.txt, ipc_profile.txt (if asked), cuda_cases.jsonl (a line as each
 # case of tests/e2e/test_cuda.py starts and ends), junit.xml (the tests), junit_torch.xml
 # (torch's own CUDA test classes through the switch),
@@ -39,11 +40,17 @@ if ! command -v nvidia-smi >/dev/null; then
     exit 2
 fi
 PY="${GPU_PYTHON:-python3}"
-if ! "$PY" -c 'import pytest, pytest_timeout' 2>/dev/null; then
+# pytest, pytest-timeout, and expecttest (torch's test modules import it; the GPU image of
+# 11-28 lacks it): from wheels carried in $GPU_WHEELS where the interpreter lacks them
+MISSING=""
+for pkg in pytest pytest_timeout expecttest; do
+    "$PY" -c "import $pkg" 2>/dev/null || MISSING="$MISSING ${pkg//_/-}"
+done
+if [ -n "$MISSING" ]; then
     TOOLS=/tmp/distgrad-gpu-tools
-    "$PY" -m pip install -q --target "$TOOLS" --no-index \
-        --find-links "${GPU_WHEELS:-$PWD/.gpu_wheels}" pytest pytest-timeout \
-        || note "pytest could not be installed (no wheels): the tests cannot run"
+    "$PY" -m pip install -q --target "$TOOLS" --no-index --no-deps \
+        --find-links "${GPU_WHEELS:-$PWD/.gpu_wheels}" $MISSING \
+        || note "could not install$MISSING (no wheels in \$GPU_WHEELS)"
     export PYTHONPATH="$TOOLS${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_CPP_LOG_LEVEL=ERROR

@@ -69,7 +69,9 @@ RECV_STAGING_SIZE: int = 256 * 1024
 #: Below it the socket is as fast or faster: its two copies overlap (sender and receiver on
 #: two cores) while the socket buffer (4 MiB) takes the whole message at once (measured echo,
 #: reads vs socket: 1 MiB 0.96 vs 0.86 ms, 4 MiB 2.36 vs 2.75 ms, 8 MiB 4.05 vs 4.76 ms).
-CROSS_MEMORY_THRESHOLD: int = 4 * 1024 * 1024
+CROSS_MEMORY_THRESHOLD: int = int(
+    os.environ.get("DISTGRAD_CROSS_MEMORY_THRESHOLD", "") or 4 * 1024 * 1024
+)
 #: CUDA tensors from this size go by CUDA IPC between workers on one GPU; smaller ones are
 #: staged through host memory, which costs less than IPC's fixed cost per tensor (measured on
 #: an H100, 11-28: an IPC echo took ~3 ms whatever its size, a staged one 1.2 ms + 0.8 ms/MiB)

@@ -156,6 +156,57 @@ def test_nodes_that_wait_one_below_the_other_give_torchs_gradients() -> None:
     torch.testing.assert_close(got, expected)
 
 
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * 1.5 + b
+
+
+def _scaled_hook(w: torch.Tensor) -> torch.Tensor:
+    """An intermediate with a hook that scales its gradient, and a leaf with one, both sent and
+    used again with the result: the run from the loss stops at them while their own gradient
+    is pending (and must go on: it sends the gradient that the pending one depends on)."""
+    h = w.exp()
+    h.register_hook(lambda grad: grad * 2)
+    leaf = _HOOKED_LEAF[0]
+    back = rpc.rpc_sync("worker1", combine, (h, leaf))
+    u = h * back + leaf * back
+    return rpc.rpc_sync("worker2", programs.scale, (u,)).sum()
+
+
+_HOOKED_LEAF: list[torch.Tensor] = []
+
+
+def test_a_hook_that_scales_an_intermediate_where_a_run_stops_gives_torchs_gradients() -> None:
+    """A node whose tensors have hooks is not captured (torch would call the hooks on the
+    captured part and again on the whole): it runs on each part -- torch's gradients for a
+    linear hook; a leaf's hooks, set aside while it waits, run once on its whole gradient."""
+    torch.manual_seed(0)
+    leaf = torch.randn(3, requires_grad=True)
+    leaf.register_hook(lambda grad: grad * 3)
+    _HOOKED_LEAF[:] = [leaf]
+    w = _leaf()
+    rpc_sync = rpc.rpc_sync
+    rpc.rpc_sync = lambda to, fn, args: fn(*args)  # type: ignore[assignment,misc]
+    try:
+        expected = torch.autograd.grad(_scaled_hook(w), [w, leaf])
+    finally:
+        rpc.rpc_sync = rpc_sync  # type: ignore[misc]
+
+    def body(rank: int) -> list[torch.Tensor] | None:
+        if rank != 0:
+            return None
+        w = _leaf()
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [_scaled_hook(w)])
+            grads = dist_autograd.get_gradients(context_id)
+            return [grads[w], grads[leaf]]
+
+    with open_world(3, timeout=20) as world:
+        got = world.run(body)[0]
+    assert got is not None
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+
+
 def test_plan_captures_at_the_first_node_that_waits() -> None:
     """A run from a node above a blocked one captures the edge into it and executes nothing
     below it."""

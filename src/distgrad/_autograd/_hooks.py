@@ -55,6 +55,7 @@ __all__ = [
     "HookedLeaf",
     "borrowed_grads",
     "has_node_hooks",
+    "has_tensor_hooks",
     "hooks_set_aside",
     "is_hooked",
     "run_accumulators",
@@ -182,6 +183,58 @@ def has_node_hooks(node: Any) -> bool:
     return words[pre : pre + 8] != words[pre + 8 : pre + 16] or (
         words[post : post + 8] != words[post + 8 : post + 16]
     )
+
+
+def _calibrate_tensor_hooks() -> int | None:
+    """The offset of ``tensor_pre_hooks_`` (the hooks that ``register_hook`` on a non-leaf
+    tensor adds to its ``grad_fn``) in a C++ node, found as :func:`_calibrate` finds the node
+    hooks' and checked on a second probe; None if not found."""
+    if _offsets() is None:  # (the same interpreter checks: their failure means "unknown")
+        return None
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            leaf = torch.zeros(1, requires_grad=True)
+            out = leaf * 1
+            node = out.grad_fn
+            address = _node_address(node)
+            before = ctypes.string_at(address, _SPAN)
+            out.register_hook(lambda grad: None)  # type: ignore[no-untyped-call]
+            offset = _find_vector(before, ctypes.string_at(address, _SPAN))
+            if offset is None:
+                return None
+            # check on a fresh node: nothing, a node pre-hook (not this vector), a tensor hook
+            fresh = leaf * 1
+            address = _node_address(fresh.grad_fn)
+            if _vector_len(address, offset) != 0:
+                return None
+            handle = fresh.grad_fn.register_prehook(lambda grads: None)  # type: ignore[union-attr]
+            unchanged = _vector_len(address, offset) == 0
+            handle.remove()
+            fresh.register_hook(lambda grad: None)  # type: ignore[no-untyped-call]
+            ok = unchanged and _vector_len(address, offset) == 1
+            return offset if ok else None
+    except Exception:  # (any surprise means: do not trust the layout)
+        return None
+
+
+_TENSOR_HOOKS: list[int | None] = []
+
+
+def has_tensor_hooks(node: Any) -> bool:
+    """True if a tensor whose ``grad_fn`` is the C++ node ``node`` may have hooks
+    (``register_hook`` on a non-leaf tensor, even one whose hooks were removed since): the
+    size of the node's tensor pre-hook vector, found by calibration; True where that cannot be
+    read. False for a node of a custom ``autograd.Function`` (a Python node: its C++ node is not
+    reachable from Python), which the caller must know."""
+    if not _TENSOR_HOOKS:
+        _offsets()  # (first: it takes the calibration lock itself)
+        with _CALIBRATION_LOCK:
+            if not _TENSOR_HOOKS:
+                _TENSOR_HOOKS.append(_calibrate_tensor_hooks())
+    offset = _TENSOR_HOOKS[0]
+    if offset is None:
+        return True
+    return _vector_len(_node_address(node), offset) != 0
 
 
 def is_hooked(variable: torch.Tensor, node: Any) -> bool:

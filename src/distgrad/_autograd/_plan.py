@@ -33,11 +33,13 @@ from typing import Any
 import torch
 
 from ._functions import RecvRpc
+from ._hooks import has_tensor_hooks
 
 __all__ = ["Plan", "Waiting", "plan"]
 
 _ACCUMULATE_GRAD: type = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 _RECV: type = RecvRpc._backward_cls  # type: ignore[attr-defined]
+_PYTHON_NODE: type = torch._C._FunctionBase
 
 
 def add_grads(old: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
@@ -109,11 +111,24 @@ def plan(starts: Iterable[Any], blockers: Mapping[int, int], recvs: Mapping[int,
         for child, nr in node.next_functions:
             if child is not None and id(child) in later:
                 targets[(id(child), nr)] = (child, nr)
-    if len({key for key, _ in targets}) > 1 and _nested(targets):
+    hooked = any(_hooked(node) for node, _ in targets.values())
+    if hooked or (len({key for key, _ in targets}) > 1 and _nested(targets)):
         result.partial = True
         _widen(targets, live)
     result.captures = list(targets.values())
     return result
+
+
+def _hooked(node: Any) -> bool:
+    """A node not to capture at: torch calls the hooks of a captured node's tensors
+    (``register_hook`` on an intermediate) on the captured part, and again when the node runs
+    on the whole, hooked part included -- a hook that scales would scale that part twice. Such
+    a node runs now instead, on its part (``_widen``). A leaf's hooks are set aside while it is
+    captured (``_run``); a custom Function's node cannot be read (``has_tensor_hooks``)."""
+    kind = type(node)
+    if kind is _ACCUMULATE_GRAD or isinstance(node, _PYTHON_NODE):
+        return False
+    return has_tensor_hooks(node)
 
 
 def _walk(starts: Iterable[Any], blockers: Mapping[int, int], later: set[int]) -> list[Any]:
@@ -174,13 +189,15 @@ def _nested(targets: Mapping[tuple[int, int], tuple[Any, int]]) -> bool:
 
 
 def _widen(targets: dict[tuple[int, int], tuple[Any, int]], live: set[int]) -> None:
-    """Captured nodes below other captured ones: torch runs every node above a captured one,
-    so those run now, with the part of their gradient this run has (the rest comes later:
-    correct by linearity, but such a node runs more than once in the pass). A node that runs
-    is not captured; what it leads to is, until nothing that runs feeds a node that does not."""
+    """Captured nodes below other captured ones, or with hooks on their tensors
+    (:func:`_hooked`): torch runs every node above a captured one, so those run now, with the
+    part of their gradient this run has (the rest comes later: correct by linearity, but such
+    a node runs more than once in the pass, its hooks once per part). A node that runs is not
+    captured; what it leads to is, until nothing that runs feeds a node that does not."""
     runs: dict[int, Any] = {}
     while True:
         runs.update(_above(targets))
+        runs.update((key, node) for (key, _), (node, _) in targets.items() if _hooked(node))
         changed = False
         for key in [key for key in targets if key[0] in runs]:
             del targets[key]

@@ -22,6 +22,8 @@ from ._hooks import (
 
 __all__ = ["execute", "flush_hooked"]
 
+_ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+
 
 def execute(
     ctx: DistAutogradContext,
@@ -45,8 +47,13 @@ def execute(
         return None
     inputs.extend(GradientEdge(node, nr) for node, nr in captures)
     hooked_now = [leaf for leaf in leaf_list if is_hooked(leaf, accumulators[id(leaf)])]
-    if hooked_now:
-        with GRAD_LOCK, hooks_set_aside(hooked_now, "_backward_hooks"):
+    # a leaf captured for later (``_plan``): its hooks run once, on its whole gradient
+    waiting: list[torch.Tensor] = [
+        node.variable for node, _ in captures if type(node) is _ACCUMULATE_GRAD
+    ]
+    quiet = hooked_now + [leaf for leaf in waiting if leaf._backward_hooks]
+    if quiet:
+        with GRAD_LOCK, hooks_set_aside(quiet, "_backward_hooks"):
             captured = list(run_engine(roots, grads, inputs, retain))
     else:
         captured = list(run_engine(roots, grads, inputs, retain))

@@ -14,6 +14,7 @@ from ._connection import Connection, ConnectionOwner
 from ._dialing import _tune
 from ._handshake import server_accept, tls_server_handshake, wait_readable
 from ._io import IoThread
+from ._poller import ReadPoller
 
 __all__ = ["Accepting"]
 
@@ -39,6 +40,7 @@ class Accepting:
         label: Callable[[int], str],
         note_incarnation: Callable[[int, int], bool],
         conns: set[Connection],
+        poller: ReadPoller | None,
     ) -> None:
         self._config = config
         self._io = io
@@ -50,6 +52,8 @@ class Accepting:
         self._note_incarnation = note_incarnation
         #: the transport's open connections: those accepted here join them
         self._conns = conns
+        #: the one-shot set the loop reads plain connections through (None: none)
+        self._poller = poller
         self.handshakes: set[asyncio.Task[None]] = set()
         # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
         # ended to make room for a connection that had (see on_accept)
@@ -158,6 +162,7 @@ class Accepting:
             self._owner, self._io, sock, rank, self._label(rank), cfg.max_message_size
         )
         conn.incarnation = incarnation
+        conn.poller = self._poller
         self._conns.add(conn)
         self.accepted += 1
         conn.start()

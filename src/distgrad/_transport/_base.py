@@ -176,9 +176,14 @@ class Link(Protocol):
 
 
 class FrameHandler(Protocol):
-    """What a transport calls (the RPC agent implements it); on the I/O thread."""
+    """What a transport calls (the RPC agent implements it); on the I/O thread, except as
+    :meth:`on_frame` says."""
 
-    def on_frame(self, link: Link, frame: Frame) -> None: ...
+    def on_frame(self, link: Link, frame: Frame) -> None:
+        """A frame arrived, handed on by the thread that read it: the I/O thread, or (the
+        socket transport's plain connections) a caller reading its own answer or a worker
+        lingering for its peer's next request -- which hands on requests only; every other
+        frame it reads goes to the I/O thread, in order."""
 
     def on_connection_lost(self, link: Link, error: Exception, *, peer_dead: bool) -> None: ...
 

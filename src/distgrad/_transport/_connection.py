@@ -7,7 +7,9 @@ when the socket becomes writable. Tensor buffers are handed to ``sendmsg`` as vi
 storage (scatter/gather) and are never joined into one bytes object.
 
 Reads happen on the I/O thread: ``recv_into`` a buffer given by the frame parser (the staging
-buffer, or a large tensor's own storage), then complete frames go to the handler.
+buffer, or a large tensor's own storage), then complete frames go to the handler -- or on a
+thread that waits alone for the answer to its own call (:meth:`Connection.read_until`): one
+thread holds the connection's read role at a time (``_poller``).
 
 Over a Unix socket, each side offers the other to read large buffers straight from its memory
 (``_memory``); once the peer accepts, buffers of at least ``CROSS_MEMORY_THRESHOLD`` bytes go
@@ -36,6 +38,7 @@ from ._base import MessageInfo
 
 if TYPE_CHECKING:
     from ._io import IoThread
+    from ._poller import ReadPoller
 
 __all__ = ["Connection", "ConnectionOwner", "Piece"]
 
@@ -45,6 +48,15 @@ _READS_PER_WAKEUP = 64
 #: after a failed write, what the peer sent before it went is still read, up to this much
 _DRAIN_BYTES = 64 << 20
 _DRAIN_SECONDS = 1.0
+#: a caller reading its own answer looks up at least this often (seconds): a call failed or
+#: the connection closed by another thread meanwhile is seen within it
+_READ_SLICE = 0.05
+#: how long a worker that served a request waits on its connection for the next one
+#: (``serve_lingering``), and how many lingers in a row may find nothing before it stops
+#: lingering there (it tries again after every ``_LINGER_RETRY``-th skipped chance)
+_LINGER = 0.002
+_LINGER_CREDIT = 3
+_LINGER_RETRY = 32
 
 Piece = bytes | memoryview
 
@@ -105,6 +117,21 @@ class Connection:
         self._pinned: dict[int, list[memoryview]] = {}
         self.bytes_read_directly = 0
         self._parser = FrameParser(max_message_size, read_remote=self._read_remote)
+        #: the one-shot set the I/O loop watches this socket through (None: the loop watches
+        #: the socket itself -- TLS, or no epoll); set by the transport before :meth:`start`
+        self.poller: ReadPoller | None = None
+        #: the read role: held by whoever reads the socket now (the I/O thread, or a caller
+        #: waiting for its answer: :meth:`read_until`)
+        self.reading = threading.Lock()
+        self._wait: select.poll | None = None  # (the waiting caller's poll object, kept)
+        # a worker lingering on this connection for the next request (serve_lingering): the
+        # frames it read that are not requests wait here for the I/O thread, in order
+        self._lingering = False
+        self._pending: list[Frame] = []
+        self._linger_credit = _LINGER_CREDIT
+        self._linger_skipped = 0
+        self._requests_handed = 0  # (while lingering)
+        self._handed = False  # the read role is held for the I/O thread (_hand_pending)
         self.closed = False
         self.goodbye_received = False
         self._goodbye_sent = False
@@ -122,7 +149,12 @@ class Connection:
         """Start reading; call on the I/O thread."""
         if self.closed:
             return
-        self._io.loop.add_reader(self._fd, self._on_readable)
+        if self._tls:
+            self.poller = None  # (its SSL object is read and written by the I/O thread only)
+        if self.poller is not None:
+            self.poller.register(self._fd, self)
+        else:
+            self._io.loop.add_reader(self._fd, self._on_readable)
         if self._peer_pid is not None:
             self._probe = _memory.MemoryProbe()
             try:
@@ -172,12 +204,19 @@ class Connection:
         ``_DRAIN_SECONDS``, and hand on the complete frames; stops at the first read that
         would block, the peer's EOF, or an error."""
         deadline = time.monotonic() + _DRAIN_SECONDS
-        total = 0
-        while total < _DRAIN_BYTES and time.monotonic() < deadline:
-            n = self._read_step()
-            if n <= 0:
-                return
-            total += n
+        if self._handed:  # (a lingering worker's frames, queued behind this: first)
+            self._hand_pending()
+        if not self.reading.acquire(timeout=_DRAIN_SECONDS):
+            return  # (a caller holds the read role: it reads what is there)
+        try:
+            total = 0
+            while total < _DRAIN_BYTES and time.monotonic() < deadline:
+                n = self._read_step()
+                if n <= 0:
+                    return
+                total += n
+        finally:
+            self.reading.release()
 
     def close_when_flushed(self) -> None:
         """Say goodbye, write what is queued, then half-close; the peer's EOF finishes it."""
@@ -203,6 +242,8 @@ class Connection:
 
     def _close_in_loop(self, error: Exception | None) -> None:
         loop = self._io.loop
+        if self.poller is not None:
+            self.poller.unregister(self._fd, self)
         try:
             loop.remove_reader(self._fd)
             loop.remove_writer(self._fd)
@@ -438,7 +479,169 @@ class Connection:
         except PeerFailureError:
             pass
 
-    # -- reading (I/O thread) -------------------------------------------------------------------
+    # -- reading (I/O thread, or a caller waiting for its answer) --------------------------------
+    def on_poll(self) -> None:
+        """The socket has data (I/O thread, through the poller): read it unless a caller holds
+        the read role (it re-arms the socket when it gives the role back)."""
+        if not self.reading.acquire(blocking=False):
+            return
+        try:
+            self._on_readable()
+        finally:
+            self.reading.release()
+        poller = self.poller
+        if poller is not None and not self.closed:
+            try:  # (the set's modify, inline: this is on every call's path)
+                poller.modify(self._fd, poller.events)
+            except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                pass
+
+    def hold_read(self) -> bool:
+        """Take the read role now (the I/O thread stops watching the socket) for a
+        :meth:`read_until` or :meth:`serve_lingering` to come -- taken before a request or a
+        reply is written, so that its answer cannot reach the I/O thread first. False if it
+        cannot be taken (TLS, no poller, closed, or another thread holds it)."""
+        poller = self.poller
+        if poller is None or self._tls or self.closed:
+            return False
+        if not self.reading.acquire(blocking=False):
+            return False
+        try:  # (the set's modify, inline: this is on every call's path)
+            poller.modify(self._fd, 0)
+        except (OSError, ValueError):  # unregistered (closed), or the set is closed
+            pass
+        return True
+
+    def release_read(self) -> None:
+        """Give back a read role taken by :meth:`hold_read` and not used."""
+        self.reading.release()
+        poller = self.poller
+        if poller is not None and not self.closed:
+            try:  # (the set's modify, inline: this is on every call's path)
+                poller.modify(self._fd, poller.events)
+            except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                pass
+
+    def read_until(self, lock: threading.Lock, timeout: float, *, held: bool = False) -> bool:
+        """Wait for ``lock`` (an answer's: released by whoever hands the answer on) by reading
+        this connection on the calling thread: a caller waiting alone reads its own answer,
+        and every frame that comes before it, with no other thread woken. Returns True once
+        ``lock`` is acquired; False at once if another thread holds the read role (or the
+        loop watches the socket itself), and False when ``timeout`` seconds (> 0) passed or
+        the connection closed -- the caller then waits for ``lock`` as usual. ``held``: the
+        caller took the role already (:meth:`hold_read`); it is given back either way."""
+        poller = self.poller
+        if not held and not self.hold_read():
+            return False
+        assert poller is not None
+        fd = self._fd
+        try:
+            wait = self._wait
+            if wait is None:
+                wait = self._wait = select.poll()
+                wait.register(fd, select.POLLIN)
+            deadline = time.monotonic() + timeout if timeout > 0 else None
+            slice_ms = int(_READ_SLICE * 1000)
+            while not lock.acquire(blocking=False):
+                if self.closed:
+                    return False
+                if deadline is None:
+                    ready = wait.poll(slice_ms)
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    ready = wait.poll(min(slice_ms, max(1, int(left * 1000))))
+                if ready:
+                    while self._read_step() > 0:
+                        pass
+            return True
+        finally:
+            self.reading.release()
+            if not self.closed:
+                try:  # (the set's modify, inline: this is on every call's path)
+                    poller.modify(fd, poller.events)
+                except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                    pass
+
+    def serve_lingering(self, *, held: bool = False) -> bool:
+        """On a worker that served a request from this connection: wait a moment
+        (``_LINGER``) for the next frame on this thread, and read what came, handing on its
+        requests here -- the owner may keep one to run on this thread -- so that a peer that
+        calls again at once wakes this worker only, not the I/O thread and then a worker.
+        Any other frame, and everything after it in that read, goes to the I/O thread in
+        order (as if it had read them: handlers meant for the I/O thread run there). Returns
+        whether a request was handed on here (so lingering again may pay). A connection
+        where lingering keeps finding nothing is not lingered on for a while. ``held``: the
+        worker took the role already (:meth:`hold_read`); it is given back either way."""
+        poller = self.poller
+        if self._linger_credit <= 0:
+            self._linger_skipped += 1
+            if self._linger_skipped < _LINGER_RETRY:
+                if held:
+                    self.release_read()
+                return False
+            self._linger_skipped = 0
+            self._linger_credit = 1
+        if not held and not self.hold_read():
+            return False
+        assert poller is not None
+        fd = self._fd
+        got = False
+        try:
+            wait = self._wait
+            if wait is None:
+                wait = self._wait = select.poll()
+                wait.register(fd, select.POLLIN)
+            if wait.poll(int(_LINGER * 1000)):
+                self._lingering = True
+                before = self._requests_handed
+                while self._read_step() > 0:
+                    pass
+                got = self._requests_handed != before
+        finally:
+            self._lingering = False
+            if got:
+                self._linger_credit = min(_LINGER_CREDIT, self._linger_credit + 1)
+            else:
+                self._linger_credit -= 1
+            if self._pending:
+                self._handed = True
+                self._io.call_soon(self._hand_pending)  # (it gives the read role back)
+            else:
+                self.reading.release()
+                if not self.closed:
+                    try:  # (the set's modify, inline: this is on every call's path)
+                        poller.modify(fd, poller.events)
+                    except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                        pass
+        return got
+
+    def _hand_pending(self) -> None:
+        """I/O thread: hand on the frames a lingering worker left, then give the read role
+        back (held for this since the worker read them) and re-arm the socket."""
+        if not self._handed:
+            return
+        self._handed = False
+        frames, self._pending = self._pending, []
+        try:
+            for frame in frames:
+                if frame.kind == Kind.GOODBYE:
+                    self.goodbye_received = True
+                    continue
+                try:
+                    self._owner.on_frame(self, frame)
+                except Exception:
+                    _log.exception("error while handling a frame from %s", self.peer_label)
+        finally:
+            self.reading.release()
+            poller = self.poller
+            if poller is not None and not self.closed:
+                try:  # (the set's modify, inline: this is on every call's path)
+                    poller.modify(self._fd, poller.events)
+                except (OSError, ValueError):  # unregistered (closed), or the set is closed
+                    pass
+
     def _on_readable(self) -> None:
         for _ in range(_READS_PER_WAKEUP):
             if self._read_step() <= 0:
@@ -485,6 +688,11 @@ class Connection:
         for frame in frames:
             if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
                 continue
+            if self._lingering:
+                if self._pending or frame.kind != Kind.REQUEST:
+                    self._pending.append(frame)  # (for the I/O thread, in order)
+                    continue
+                self._requests_handed += 1
             if frame.kind == Kind.GOODBYE:
                 self.goodbye_received = True
                 continue

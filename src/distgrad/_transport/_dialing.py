@@ -14,6 +14,7 @@ from ._base import PeerAddress, TransportConfig
 from ._connection import Connection, ConnectionOwner
 from ._handshake import PeerClosedHandshake, client_handshake
 from ._io import IoThread
+from ._poller import ReadPoller
 from ._suspicion import PeerVerdicts
 
 __all__ = ["Dialing"]
@@ -46,6 +47,7 @@ class Dialing:
         note_incarnation: Callable[[int, int], bool],
         peers: Mapping[int, PeerAddress],
         conns: set[Connection],
+        poller: ReadPoller | None,
         verdicts: PeerVerdicts,
         host_id: str,
     ) -> None:
@@ -61,6 +63,8 @@ class Dialing:
         self._peers = peers
         #: the transport's open connections: those opened here join them
         self._conns = conns
+        #: the one-shot set the loop reads plain connections through (None: none)
+        self._poller = poller
         self._verdicts = verdicts
         self._host_id = host_id
         #: connections opened so far
@@ -151,6 +155,7 @@ class Dialing:
         self._verdicts.answered(rank)  # back: it answered a fresh handshake
         conn = Connection(self._owner, self._io, sock, rank, label, cfg.max_message_size)
         conn.incarnation = incarnation
+        conn.poller = self._poller
         self._conns.add(conn)
         self.opened += 1
         self._io.call_soon(conn.start)

@@ -49,6 +49,8 @@ from ._connection import Connection
 from ._dialing import Dialing
 from ._io import IoThread
 from ._loopback import LoopbackConnection
+from ._poller import ReadPoller
+from ._poller import available as poller_available
 from ._suspicion import HeartbeatJudge, PeerVerdicts
 
 __all__ = [
@@ -108,6 +110,9 @@ class SocketTransport:
         self._protocol_errors = 0
         self._bytes_read_directly = 0
         self.host_id = host_identity()
+        #: the one-shot set the loop reads plain connections through, so that a caller can
+        #: take a connection's read role without waking the loop (``_poller``)
+        self._poller = ReadPoller(io) if poller_available() else None
         # the stages: connections in (accepting) and out (dialing)
         self._accepting = Accepting(
             config,
@@ -116,6 +121,7 @@ class SocketTransport:
             label=self._peer_label,
             note_incarnation=self.note_incarnation,
             conns=self._conns,
+            poller=self._poller,
         )
         self._dialing = Dialing(
             config,
@@ -127,6 +133,7 @@ class SocketTransport:
             conns=self._conns,
             verdicts=self._verdicts,
             host_id=self.host_id,
+            poller=self._poller,
         )
 
     def _peer_label(self, rank: int) -> str:
@@ -160,6 +167,8 @@ class SocketTransport:
 
     async def _start_listening(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._poller is not None:
+            self._poller.start()
         for listener in self._listeners:
             loop.add_reader(listener.fileno(), self._accepting.on_accept, listener)
         self._heartbeat = loop.call_later(self._judge.scheduled(time.monotonic()), self._beat)
@@ -333,6 +342,11 @@ class SocketTransport:
                 time.sleep(0.005)
         for conn in conns:
             conn.close(None)
+        if self._poller is not None:  # after the connections' own closing, on the loop
+            try:
+                self._io.call_soon(self._poller.close)
+            except RuntimeError:  # the loop is gone (the set closes when collected)
+                pass
 
     async def _stop_listening(self) -> None:
         loop = asyncio.get_running_loop()

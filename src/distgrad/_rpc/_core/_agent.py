@@ -19,12 +19,17 @@ delivers (:meth:`RpcAgent.on_frame`, :meth:`RpcAgent.on_connection_lost`).
 Threads, and what runs where:
 
 * the **caller's thread** pickles a request and writes it straight to the socket (no hop);
-  ``rpc_sync`` then sleeps on a lock and unpickles the response itself;
-* the **I/O thread** reads frames; a response is matched to its call and handed back to the
-  waiting caller (or, for ``rpc_async``, to the callback pool); a request goes to the worker
-  pool; it also fires timeouts and heartbeats;
+  ``rpc_sync`` then reads its connection itself until its answer is there (it holds the
+  connection's read role: ``Connection.read_until``; the I/O thread is not woken) and
+  unpickles the response -- or, when another thread reads that connection, sleeps on a lock
+  until the answer is handed over;
+* the **I/O thread** reads frames where no one else does; a response is matched to its call
+  and handed back to the waiting caller (or, for ``rpc_async``, to the callback pool); a
+  request goes to the worker pool; it also fires timeouts and heartbeats;
 * the **worker pool** (``num_worker_threads``, elastic) unpickles requests, runs user
-  functions and writes their responses; nested RPCs from a user function just block that one
+  functions and writes their responses; a worker that served a request lingers a moment on
+  its connection for the peer's next request and runs it itself
+  (``Connection.serve_lingering``); nested RPCs from a user function just block that one
   worker thread;
 * the **callback pool** completes ``rpc_async`` futures, so user callbacks (``then``,
   ``add_done_callback``) never run on the I/O thread and may themselves make RPCs.

@@ -180,6 +180,7 @@ class _Call:
         "frame",
         "function",
         "future",
+        "held",
         "internal",
         "lock",
         "sending",
@@ -208,6 +209,8 @@ class _Call:
         self.frame: Frame | None = None
         self.error: BaseException | None = None
         self.slot = 0
+        #: its sender holds the connection's read role, to read the answer itself
+        self.held = False
         #: what it is counted under (``_statistics.function_label``), and when it was made
         #: (``time.perf_counter()``): the agent's metrics
         self.function = ""

@@ -61,6 +61,13 @@ _log = logging.getLogger("distgrad.rpc")
 AnswerCallback = Callable[[Any, BaseException | None], None]
 
 
+def _let_go(call: _Call) -> None:
+    """Give back the read role the sender of ``call`` took for its answer, if it did."""
+    if call.held:
+        call.held = False
+        call.conn.release_read()  # type: ignore[attr-defined]
+
+
 class Outgoing:
     """Requests out, answers back: a stage of the agent, which makes it and hands it what it
     uses. It owns the calls table (:attr:`calls`) and the count of user calls in flight."""
@@ -181,6 +188,9 @@ class Outgoing:
         if self._shared.describe:
             wrapped = bool(made) and made[0] is not None
             info = describe_request(payload[0], payload[1], wrapped=wrapped)
+        if future is None and callback is None:  # rpc_sync: its caller will read the answer
+            hold = getattr(conn, "hold_read", None)  # (taken before the request goes out,
+            call.held = hold is not None and hold()  # so the answer cannot reach another)
         try:
             try:
                 conn.send_frame(
@@ -190,6 +200,7 @@ class Outgoing:
                 # The connection was found dead before any byte of the request left: the peer
                 # cannot have run it, so it goes once more, on a fresh connection. (The loss
                 # of the link left this call alone: it is still being sent, see _call_table.)
+                _let_go(call)
                 if calls.pop(cid) is None:  # the agent stopped meanwhile
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
@@ -198,6 +209,7 @@ class Outgoing:
                     Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
                 )
         except FrameNotSentError as exc:
+            _let_go(call)
             if calls.pop(cid) is not None:
                 self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, False)
@@ -207,6 +219,7 @@ class Outgoing:
                 exc.peer,
             ) from exc
         except BaseException:
+            _let_go(call)
             if calls.pop(cid) is not None:
                 self._done(call)
             _delivery.run_failure_callbacks(call.settle, False)  # (nothing was written)
@@ -219,6 +232,7 @@ class Outgoing:
         # out before this one was in, or while it was being written (see _call_table), so
         # fail it here if it is still there.
         if conn.closed and calls.pop(cid) is not None:
+            _let_go(call)
             self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
@@ -274,8 +288,23 @@ class Outgoing:
         if pool is not None:  # a pool thread waiting here frees its slot meanwhile
             pool.enter_blocking()
         try:
-            if call.timeout > 0:
-                if not lock.acquire(timeout=call.timeout):
+            timeout = call.timeout
+            # Waiting alone, the caller reads its own answer off the connection (no thread
+            # woken to hand it over); if another thread reads it, the answer is handed over.
+            read_until = getattr(call.conn, "read_until", None)
+            if read_until is None:
+                answered = False
+            elif timeout > 0:
+                started = time.monotonic()
+                answered = read_until(lock, timeout, held=call.held)
+                timeout = max(0.001, timeout - (time.monotonic() - started))
+            else:
+                answered = read_until(lock, 0.0, held=call.held)
+            call.held = False  # (given back by read_until)
+            if answered:
+                pass
+            elif timeout > 0:
+                if not lock.acquire(timeout=timeout):
                     if self.calls.pop(call.cid) is not None:
                         self._done(call, TIMEOUT)
                         _delivery.run_failure_callbacks(call.settle, True)

@@ -50,6 +50,7 @@ class ThreadPool:
         self._idle = 0
         self._backlog = 0
         self._blocked = 0
+        self._lingering = 0  # threads waiting a moment for work of their own (linger_start)
         #: tasks for the next thread that finishes its current one (submit_after_current)
         self._after: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._stopped = False
@@ -105,7 +106,7 @@ class ThreadPool:
     def busy(self) -> int:
         """Tasks running now, counting those blocked waiting for an RPC (a snapshot)."""
         with self._lock:
-            return len(self._threads) - self._idle
+            return len(self._threads) - self._idle - self._lingering
 
     def is_member(self) -> bool:
         """True on one of this pool's threads."""
@@ -129,6 +130,24 @@ class ThreadPool:
     def exit_blocking(self) -> None:
         with self._lock:
             self._blocked -= 1
+
+    def linger_start(self) -> bool:
+        """The calling pool thread, its task done, waits a moment for more work of its own
+        (the next request on the connection it served): meanwhile it counts neither as busy
+        nor against the maximum (as a blocked thread), so nothing queued waits for it. False
+        -- and nothing changed -- if it should not linger: the pool is stopping, or work
+        waits for a thread."""
+        with self._lock:
+            if self._stopped or self._backlog or self._after:
+                return False
+            self._blocked += 1
+            self._lingering += 1
+        return True
+
+    def linger_end(self) -> None:
+        with self._lock:
+            self._blocked -= 1
+            self._lingering -= 1
 
     def _work(self) -> None:
         self._mine.member = True

@@ -71,6 +71,7 @@ class Serving:
         #: a block that waits for other workers (frees the worker's pool slot meanwhile)
         self._blocking = blocking
         self._lock = threading.Lock()
+        self._here = _Here()  # a worker lingering on its connection (_serve_and_linger)
         #: ``@async_execution`` requests whose future is pending
         self.serving_async = 0
         # rpc.enable_gil_profiling: how long served requests waited for a thread to run them
@@ -86,11 +87,15 @@ class Serving:
 
     # -- receive (I/O thread) --------------------------------------------------------------------
     def on_request(self, conn: Link, frame: Frame) -> None:
+        slot = self._here.slot
+        if slot is not None and not slot:  # read by a lingering worker: it runs it itself
+            slot.append(frame)
+            return
         try:
             if self.gil_profiling:
                 self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
             else:
-                self._workers.submit(self._serve, conn, frame)
+                self._workers.submit(self._serve_and_linger, conn, frame)
         except RuntimeError:  # the pool is stopped: say so rather than let the caller wait
             self._reply_error(
                 conn,
@@ -152,6 +157,47 @@ class Serving:
             self.gil_wait[0] += waited
             self.gil_wait[1] += 1
         self._serve(conn, frame)
+
+    def _serve_and_linger(self, conn: Link, frame: Frame) -> None:
+        """:meth:`_serve`, then, while the pool has nothing waiting, linger on ``conn`` for
+        the peer's next request and serve it on this thread: a peer calling again at once
+        wakes this worker only (``Connection.serve_lingering``)."""
+        linger = getattr(conn, "serve_lingering", None)
+        if linger is None:
+            self._serve(conn, frame)
+            return
+        pool = self._workers
+        here = self._here
+        while True:
+            # the read role is taken as soon as the reply went out (_write), so that the
+            # peer's next request rarely reaches the I/O thread first
+            here.hold = conn
+            try:
+                self._serve(conn, frame)
+            except BaseException:
+                if here.held:
+                    conn.release_read()  # type: ignore[attr-defined]
+                raise
+            finally:
+                here.hold = None
+                held, here.held = here.held, False
+            if self._shared.state.stopped or not pool.linger_start():
+                if held:
+                    conn.release_read()  # type: ignore[attr-defined]
+                return
+            slot: list[Frame] = []
+            here.slot = slot
+            try:
+                got = linger(held=held)
+            finally:
+                here.slot = None
+                pool.linger_end()
+            if not slot:
+                return
+            frame = slot[0]
+            if not got:
+                self._serve(conn, frame)
+                return
 
     def _serve(self, conn: Link, frame: Frame) -> None:
         size = len(frame.meta)
@@ -401,6 +447,20 @@ class Serving:
             conn.send_frame(kind, message_id, meta, buffers, flags)
         except DistgradError as exc:
             _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
+        here = self._here
+        if here.hold is conn and not here.held:  # a worker about to linger on conn
+            # (taken right after the reply, before the GIL may go to a thread the request
+            # released -- a follower leaving a barrier -- so the reply is out first)
+            here.held = conn.hold_read()  # type: ignore[attr-defined]
+
+
+class _Here(threading.local):
+    """Per thread: where a lingering worker keeps the request it read to run itself."""
+
+    slot: list[Frame] | None = None
+    #: the connection whose read role the reply about to be written takes, and whether it did
+    hold: object = None
+    held: bool = False
 
 
 class _ReplyLink:
