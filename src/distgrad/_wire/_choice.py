@@ -25,6 +25,7 @@ __all__ = [
     "ChosenPicklers",
     "current_guard",
     "current_pickler",
+    "fresh",
     "restricted_loads",
     "set_guard",
     "set_pickler",
@@ -40,9 +41,11 @@ OWN_REDUCERS: dict[str, dict[type, Callable[[Any], Any]]] = {
 }
 
 
-def _fresh(
+def fresh(
     kind: type[pickle.Pickler],
 ) -> tuple[io.BytesIO, list[pickle.PickleBuffer], pickle.Pickler]:
+    """A new pickler of ``kind`` (protocol 5) over a new file, collecting its out-of-band
+    buffers."""
     file = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
     return file, buffers, kind(file, protocol=5, buffer_callback=buffers.append)
@@ -65,7 +68,7 @@ class ChosenPicklers:
     def acquire(
         self, table: bool
     ) -> tuple[io.BytesIO, list[pickle.PickleBuffer], pickle.Pickler, bool]:
-        return (*_fresh(self.inline if table else self.payload), False)
+        return (*fresh(self.inline if table else self.payload), False)
 
     def release(self) -> None:
         """(Nothing is reused.)"""
@@ -127,7 +130,7 @@ def set_pickler(choice: Any) -> Any:
         picklers = ChosenPicklers(pickler_cls)
         probe = {"tensor": torch.arange(4.0), "text": "probe"}
         try:
-            file, buffers, pickler = _fresh(picklers.inline)
+            file, buffers, pickler = fresh(picklers.inline)
             pickler.dump(probe)
             back = unpickler_cls(io.BytesIO(file.getvalue()), buffers=buffers).load()
             ok = back["text"] == "probe" and torch.equal(back["tensor"], torch.arange(4.0))

@@ -47,6 +47,7 @@ from ._choice import (
     ChosenPicklers,
     current_guard,
     current_pickler,
+    fresh,
     restricted_loads,
     set_guard,
     set_pickler,
@@ -185,14 +186,6 @@ def _routes_cpu(device_check: DeviceCheck | None) -> bool:
     return device_check is not None and getattr(device_check, "routes_cpu", False)
 
 
-def _fresh(
-    kind: type[pickle.Pickler],
-) -> tuple[io.BytesIO, list[pickle.PickleBuffer], pickle.Pickler]:
-    file = io.BytesIO()
-    buffers: list[pickle.PickleBuffer] = []
-    return file, buffers, kind(file, protocol=5, buffer_callback=buffers.append)
-
-
 class _ThreadPicklers(threading.local):
     """Picklers per thread, reused across messages: constructing one costs more than a small
     message's whole pickling. Re-entrant use on one thread falls back to fresh ones."""
@@ -217,7 +210,7 @@ class _ThreadPicklers(threading.local):
         """This thread's pickler of one kind, marked busy, or a fresh one when it is in use;
         the last item says whether it is the cached one (then :meth:`release` it)."""
         if self.busy:
-            return (*_fresh(_TablePickler if table else _PayloadPickler), False)
+            return (*fresh(_TablePickler if table else _PayloadPickler), False)
         self.busy = True
         if table:
             return self.table_file, self.table_buffers, self.table, True
@@ -342,13 +335,13 @@ def _encode(
             return Encoded(payload, payload_buffers, tensors, 0)
         table: pickle.Pickler
         if _routes_cpu(device_check):
-            table_file, table_buffers, table = _fresh(_RoutedPickler)
+            table_file, table_buffers, table = fresh(_RoutedPickler)
             _policy.staged = set()
         elif reuse:  # this thread's table pickler comes with its payload pickler
             assert isinstance(cache, _ThreadPicklers)
             table_file, table_buffers, table = cache.table_file, cache.table_buffers, cache.table
         else:
-            table_file, table_buffers, table = _fresh(_TablePickler)
+            table_file, table_buffers, table = fresh(_TablePickler)
         _policy.device_check = device_check
         _policy.storages = {}
         table.dump((ext, tensors))
@@ -404,7 +397,7 @@ def _encode_inline(
     if cache is _cached and _is_plain(obj):  # (a chosen pickler pickles everything)
         return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
     if _routes_cpu(device_check):
-        file, buffers, pickler = _fresh(cache.routed)
+        file, buffers, pickler = fresh(cache.routed)
         reuse = False
         _policy.staged = set()
     else:
