@@ -51,7 +51,8 @@ _IPC_DEVICE, _IPC_REQUIRES_GRAD = 6, 10
 
 
 class CudaBackend(DeviceBackend):
-    """Device tensors over RPC by staging through pinned host memory, streams as torch's."""
+    """Device tensors over RPC: by CUDA IPC between workers on one GPU, else staged through
+    pinned host memory; streams as torch's."""
 
     name = "cuda"
 
