@@ -14,10 +14,19 @@ import torch
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad._autograd import _pass, _plan
+from distgrad._autograd._functions import edge_roots
 from distgrad.testing import open_world
 from tests import _once_programs as programs
 
 WORLD = 4
+#: torch before 2.4 cannot start its engine from GradientEdge roots: distgrad keeps the
+#: per-message runs there (docs/migration.md), so these cases fail as documented
+ONCE_PER_PASS = pytest.mark.xfail(
+    not edge_roots(),
+    reason="torch < 2.4: the engine runs once per gradient message (documented); the cases "
+    "with no shared node pass there too",
+    strict=False,
+)
 
 
 @pytest.fixture
@@ -62,6 +71,7 @@ def _distributed(world: object, name: str, passes: int = 1) -> tuple[torch.Tenso
     return grad, dict(programs.COUNTS)
 
 
+@ONCE_PER_PASS
 @pytest.mark.parametrize("name", sorted(programs.PROGRAMS))
 def test_each_node_runs_once_as_in_local_autograd(name: str, distributed_calls: None) -> None:
     """Counting and stateful Functions whose outputs leave in 2 and k RPCs, both checkpoint
@@ -76,6 +86,7 @@ def test_each_node_runs_once_as_in_local_autograd(name: str, distributed_calls: 
     torch.testing.assert_close(grad, expected_grad)
 
 
+@ONCE_PER_PASS
 @pytest.mark.parametrize("name", ["two_rpcs", "hooks"])
 def test_retained_graph_runs_each_node_once_per_pass(name: str, distributed_calls: None) -> None:
     """Three passes over one retained graph: three runs of each node, gradients summed."""
@@ -88,6 +99,7 @@ def test_retained_graph_runs_each_node_once_per_pass(name: str, distributed_call
     torch.testing.assert_close(grad, expected_grad)
 
 
+@ONCE_PER_PASS
 def test_a_reentrant_checkpoint_fails_as_on_torch(distributed_calls: None) -> None:
     """torch's reentrant checkpoint refuses engine runs with ``inputs`` (torch's distributed
     engine's runs have them too): the pass fails with torch's message, and nothing hangs."""
