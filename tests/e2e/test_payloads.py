@@ -116,6 +116,10 @@ def make_bytes(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8)
 
 
+def make_text(n: int) -> str:
+    return "x" * n
+
+
 def over_the_limit(rank: int, world_size: int) -> str:
     if rank != 0:
         return "served"
@@ -125,6 +129,12 @@ def over_the_limit(rank: int, world_size: int) -> str:
     assert rpc.rpc_sync("worker1", echo, ("small",)) == "small"  # the peer is still usable
     with pytest.raises(RuntimeError, match="maximum message size"):
         rpc.rpc_sync("worker1", make_bytes, (too_big,))
+    assert rpc.rpc_sync("worker1", echo, ("small",)) == "small"
+    # plain messages (a string: the lean paths) are held to the limit too, both ways
+    with pytest.raises(RuntimeError, match="maximum message size"):
+        rpc.rpc_sync("worker1", echo, ("x" * too_big,))
+    with pytest.raises(RuntimeError, match="maximum message size"):
+        rpc.rpc_sync("worker1", make_text, (too_big,))
     assert rpc.rpc_sync("worker1", echo, ("small",)) == "small"
     return "ok"
 
@@ -145,6 +155,15 @@ def fetch_big_from(dst: str, n: int) -> str:
     return "no error"
 
 
+def fetch_text_from(dst: str, n: int) -> str:
+    """As :func:`fetch_big_from`, for a plain result (a string)."""
+    try:
+        rpc.rpc_sync(dst, make_text, (n,))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def ask(dst: str, back: str) -> object:
     return rpc.rpc_sync(back, echo, ("back",))
 
@@ -158,6 +177,10 @@ def receiver_limit(rank: int, world_size: int) -> str:
         rpc.rpc_sync("worker1", echo, (make_bytes(too_big),))
     # and a response above it
     assert "maximum message size" in rpc.rpc_sync("worker1", fetch_big_from, ("worker0", too_big))
+    # the same with plain messages (a string: the lean paths)
+    with pytest.raises(RuntimeError, match=r"maximum message size of worker worker1 \(rank 1\)"):
+        rpc.rpc_sync("worker1", echo, ("x" * too_big,))
+    assert "maximum message size" in rpc.rpc_sync("worker1", fetch_text_from, ("worker0", too_big))
     # both still talk, both ways
     assert rpc.rpc_sync("worker1", echo, ("small",)) == "small"
     assert rpc.rpc_sync("worker1", ask, ("worker1", "worker0")) == "back"

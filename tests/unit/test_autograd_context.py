@@ -246,6 +246,48 @@ def test_set_and_clear_current_context_id() -> None:
     assert container.current_context_id() == -1
 
 
+def test_a_thread_counts_the_containers_where_it_has_a_current_context() -> None:
+    """``recording.reasons`` -- what lets a call skip asking distributed autograd whether to
+    record it -- counts, per thread, the containers where the thread has a current context:
+    every way a current context is set, changed, cleared or released keeps it exact."""
+    from distgrad._rpc._core import recording
+
+    base = recording.reasons  # (what earlier tests left on this thread)
+    a, b = make(0), make(1)
+    ctx = a.new_context()
+    assert recording.reasons == base + 1
+    with b.forced_current(5):
+        assert recording.reasons == base + 2
+        with b.forced_current(6):  # (one context for another: no change)
+            assert recording.reasons == base + 2
+        with b.forced_current(-1):
+            assert recording.reasons == base + 1
+    assert recording.reasons == base + 1
+    a.set_current_context_id(9)
+    assert recording.reasons == base + 1
+    a.clear_current_context()
+    a.clear_current_context()  # (twice: counted once)
+    assert recording.reasons == base
+    a.set_current_context_id(ctx.context_id)
+    assert recording.reasons == base + 1
+    a.release_context(ctx.context_id)  # releasing the current context clears it
+    assert recording.reasons == base
+    other = a.new_context()
+    a.release_context_if_present(other.context_id)
+    assert recording.reasons == base
+    seen: list[int] = []
+
+    def elsewhere() -> None:
+        seen.append(recording.reasons)
+        a.new_context()
+        seen.append(recording.reasons)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == [0, 1] and recording.reasons == base  # (per thread)
+
+
 # -- lookup and release --------------------------------------------------------------------------
 
 

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from distgrad._errors import DistgradError, ProtocolError
-from distgrad._wire._pickler import HAS_TABLE, allocate_buffer, decode, dumps, encode, loads
+from distgrad._wire._pickler import (
+    HAS_TABLE,
+    PLAIN,
+    allocate_buffer,
+    decode,
+    dumps,
+    encode,
+    loads,
+)
 from tests._tensors import DTYPES, random_tensor, same_bits
 
 FUTURE_ERROR = re.escape("Can not pickle torch.futures.Future")
@@ -381,7 +389,7 @@ def test_pickler_works_after_a_failed_dump() -> None:
     assert len(buffers) == 1
     out = loads(meta, buffers, flags)
     assert len(out) == 1 and torch.equal(out[0], x)
-    assert dumps("plain")[2] == 0
+    assert dumps("plain")[2] == PLAIN  # (one plain stream: no table)
 
 
 def test_reentrant_dump_from_a_reducer() -> None:
@@ -609,13 +617,14 @@ def _plain_target(x: int) -> int:
 )
 def test_plain_messages_take_the_fast_path_and_round_trip(obj: Any) -> None:
     """Atoms and small requests of atoms go through plain pickle (no tensor table set-up) and
-    come back equal; the stream is the one plain pickle makes."""
-    from distgrad._wire._pickler import _is_plain
+    come back equal; the stream is the one plain pickle makes, flagged ``PLAIN`` (the callee
+    skips what only tensors and references need)."""
+    from distgrad._wire._pickler import is_plain
 
-    assert _is_plain(obj)
+    assert is_plain(obj)
     encoded = encode(obj)
     assert encoded.meta == pickle.dumps(obj, protocol=5)
-    assert encoded.buffers == [] and encoded.flags == 0
+    assert encoded.buffers == [] and encoded.flags == PLAIN
     assert loads(encoded.meta) == obj
 
 
@@ -635,9 +644,9 @@ def test_plain_messages_take_the_fast_path_and_round_trip(obj: Any) -> None:
 def test_anything_else_takes_the_tensor_aware_pickler(obj: Any) -> None:
     """Tensors anywhere (and shapes the fast path does not scan) go through the tensor-aware
     pickler: their storage travels out of band."""
-    from distgrad._wire._pickler import _is_plain
+    from distgrad._wire._pickler import is_plain
 
-    assert not _is_plain(obj)
+    assert not is_plain(obj)
     encoded = encode(obj)
     back = loads(encoded.meta, [b.raw() for b in encoded.buffers], encoded.flags)
     if isinstance(obj, torch.Tensor):

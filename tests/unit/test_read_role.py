@@ -169,11 +169,11 @@ def test_the_time_up_ends_the_read(pair: Pair) -> None:
     assert pair.owner.answered.acquire(timeout=10), "the late answer was never read"
 
 
-def _linger(pair: Pair, monkeypatch: pytest.MonkeyPatch, *frames: bytes) -> list[bool]:
+def _linger(pair: Pair, monkeypatch: pytest.MonkeyPatch, *frames: bytes) -> list[Frame | None]:
     """``serve_lingering`` on a thread named test-worker (lingering long enough for the test),
     with ``frames`` sent once it holds the read role; its result."""
     monkeypatch.setattr(_connection, "_LINGER", 10.0)
-    result: list[bool] = []
+    result: list[Frame | None] = []
     thread = threading.Thread(
         target=lambda: result.append(pair.conn.serve_lingering()), name="test-worker"
     )
@@ -189,13 +189,23 @@ def _frame(kind: int, message_id: int, meta: bytes) -> bytes:
     return b"".join(bytes(piece) for piece in encode_frame(kind, message_id, meta))
 
 
+def _ids(frames: list[Frame | None]) -> list[tuple[int, int] | None]:
+    return [None if f is None else (f.kind, f.message_id) for f in frames]
+
+
 def test_a_lingering_worker_takes_the_next_request_itself(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A request that comes while a worker lingers on the connection is handed on by the
-    worker's own thread (the agent keeps it to run there)."""
-    assert _linger(pair, monkeypatch, _frame(Kind.REQUEST, 5, b"call")) == [True]
-    assert pair.owner.frames == [(Kind.REQUEST, 5, "test-worker")]
+    """A request that comes while a worker lingers on the connection is returned to the
+    worker (it runs it itself), not handed on; a second one in the same read is handed on by
+    the worker's own thread (the agent gives it to another worker)."""
+    taken = _linger(pair, monkeypatch, _frame(Kind.REQUEST, 5, b"call"))
+    assert _ids(taken) == [(Kind.REQUEST, 5)] and taken[0] is not None
+    assert taken[0].meta == b"call"
+    assert pair.owner.frames == []
+    taken = _linger(pair, monkeypatch, _frame(Kind.REQUEST, 6, b"a"), _frame(Kind.REQUEST, 7, b"b"))
+    assert _ids(taken) == [(Kind.REQUEST, 6)]
+    assert pair.owner.frames == [(Kind.REQUEST, 7, "test-worker")]
 
 
 def test_what_is_not_a_request_goes_to_the_io_thread_in_order(
@@ -209,13 +219,12 @@ def test_what_is_not_a_request_goes_to_the_io_thread_in_order(
         _frame(Kind.NOTIFY, 0, b"n"),
         _frame(Kind.REQUEST, 2, b"b"),
     )
-    assert _linger(pair, monkeypatch, *sent) == [True]
+    assert _ids(_linger(pair, monkeypatch, *sent)) == [(Kind.REQUEST, 1)]
     deadline = time.monotonic() + 10
-    while len(pair.owner.frames) < 3:
+    while len(pair.owner.frames) < 2:
         assert time.monotonic() < deadline, pair.owner.frames
         time.sleep(0.001)
     assert pair.owner.frames == [
-        (Kind.REQUEST, 1, "test-worker"),
         (Kind.NOTIFY, 0, "test-io"),
         (Kind.REQUEST, 2, "test-io"),
     ]
@@ -225,16 +234,51 @@ def test_what_is_not_a_request_goes_to_the_io_thread_in_order(
     assert pair.owner.frames[-1] == (Kind.NOTIFY, 0, "test-io")
 
 
+def test_frames_of_a_retired_connection_are_dropped(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the transport retired a connection (its peer's incarnation was replaced), what
+    is still read on it is handed to nobody: not a request to a lingering worker, not an
+    answer to the I/O thread's handler."""
+    pair.conn.retired = True
+    assert _linger(pair, monkeypatch, _frame(Kind.REQUEST, 1, b"a")) == [None]
+    pair.peer.sendall(_frame(Kind.RESPONSE, 2, b"r") + _frame(Kind.NOTIFY, 0, b"n"))
+    deadline = time.monotonic() + 10
+    while pair.conn.readable_now():  # until the loop read them ...
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pair.conn.reading:  # ... and is done with that read (it holds the role meanwhile)
+        pass
+    assert pair.owner.frames == []
+    pair.conn.retired = False
+    pair.peer.sendall(_frame(Kind.NOTIFY, 0, b"n"))
+    assert pair.owner.got.wait(10)
+    assert pair.owner.frames == [(Kind.NOTIFY, 0, "test-io")]
+
+
+def test_frames_go_where_the_transport_says(pair: Pair) -> None:
+    """A connection hands complete frames to ``deliver`` (the transport points it straight at
+    its frame handler), not through its owner."""
+    seen: list[int] = []
+    pair.conn.deliver = lambda conn, frame: seen.append(frame.message_id)
+    pair.peer.sendall(_frame(Kind.NOTIFY, 9, b"n"))
+    deadline = time.monotonic() + 10
+    while not seen:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert seen == [9] and pair.owner.frames == []
+
+
 def test_lingering_that_finds_nothing_stops(pair: Pair) -> None:
     """Lingering that keeps finding nothing on a connection stops there: after a few empty
     lingers the worker does not even take the read role."""
     for _ in range(100):
-        assert pair.conn.serve_lingering() is False  # (nothing is sent)
+        assert pair.conn.serve_lingering() is None  # (nothing is sent)
         if pair.conn._linger_credit <= 0:
             break
     assert pair.conn._linger_credit <= 0
     pair.owner.got.clear()
-    assert pair.conn.serve_lingering() is False  # skipped: the role stays with the loop ...
+    assert pair.conn.serve_lingering() is None  # skipped: the role stays with the loop ...
     pair.peer.sendall(_frame(Kind.NOTIFY, 0, b"n"))
     assert pair.owner.got.wait(10)
     assert pair.owner.frames == [(Kind.NOTIFY, 0, "test-io")]  # ... which reads what comes

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from types import TracebackType
 
-from .._rpc._core import thread_binding
+from .._rpc._core import recording, thread_binding
 from ._context_state import DistAutogradContext
 
 __all__ = [
@@ -56,6 +56,18 @@ def _not_found(context_id: int) -> RuntimeError:
 class _ThreadState(threading.local):
     # A class attribute is every thread's default: reading it needs no getattr fallback.
     context_id: int = -1
+
+
+def _set_current(local: _ThreadState, context_id: int) -> None:
+    """Make ``context_id`` (-1: none) the thread's current context in ``local``'s container,
+    keeping the thread's count of containers where it has one (``recording.reasons``: the
+    call path asks whether to record a call only on a thread where it is above 0)."""
+    previous = local.context_id
+    local.context_id = context_id
+    if previous == -1 and context_id != -1:
+        recording.reasons += 1
+    elif previous != -1 and context_id == -1:
+        recording.reasons -= 1
 
 
 class ContextContainer:
@@ -109,6 +121,7 @@ class ContextContainer:
         """Forget everything -- contexts, worker id, counters, every thread's current context."""
         with self._lock:
             self._contexts.clear()
+            _set_current(self._local, -1)  # (other threads' counts stay high: they ask more)
             self._local = _ThreadState()
             self._worker_id = -1
             self._prefix = 0
@@ -143,7 +156,7 @@ class ContextContainer:
         with self._lock:
             ctx = DistAutogradContext(self._next_id(self._context_counter))
             self._contexts[ctx.context_id] = ctx
-        local.context_id = ctx.context_id
+        _set_current(local, ctx.context_id)
         return ctx
 
     def get_or_create_context(self, context_id: int) -> DistAutogradContext:
@@ -188,7 +201,7 @@ class ContextContainer:
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
         if ctx is not None and self._local.context_id == context_id:
-            self._local.context_id = -1
+            _set_current(self._local, -1)
         return ctx
 
     def created_here(self, context_id: int) -> bool:
@@ -234,11 +247,11 @@ class ContextContainer:
 
     def set_current_context_id(self, context_id: int) -> None:
         """Make ``context_id`` this thread's current context (it need not exist here)."""
-        self._local.context_id = context_id
+        _set_current(self._local, context_id)
 
     def clear_current_context(self) -> None:
         """Leave this thread without a current context."""
-        self._local.context_id = -1
+        _set_current(self._local, -1)
 
     @contextlib.contextmanager
     def forced_current(self, context_id: int) -> Iterator[None]:
@@ -249,11 +262,11 @@ class ContextContainer:
         """
         local = self._local
         previous = local.context_id
-        local.context_id = context_id
+        _set_current(local, context_id)
         try:
             yield
         finally:
-            local.context_id = previous
+            _set_current(local, previous)
 
 
 class WorkerContainer:

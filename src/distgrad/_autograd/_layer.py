@@ -23,6 +23,8 @@ class AutogradLayer(AutogradRecording):
 
     name: ClassVar[str] = "autograd"
     records_calls: ClassVar[bool] = True
+    #: the containers keep ``recording`` (``_context._set_current``)
+    counts_recording: ClassVar[bool] = True
 
     def message_types(self) -> Mapping[object, str]:
         handlers = (_engine._grad_message, _engine._start_message, _engine._late_grad_message)

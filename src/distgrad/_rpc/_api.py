@@ -180,15 +180,17 @@ def rpc_sync(
         rpc.shutdown()
     """
     agent = _agent()
-    dst = _to_worker_info(agent, to)
+    dst = agent.get_worker_info(to) if isinstance(to, (str, int)) else _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
         func = as_rpc_target(func)
     if type(func) in SCRIPT_TARGETS:
         _refuse_rrefs(func, args, kwargs)
-    return agent.call_sync(
-        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=not is_builtin(func)
+    # (the outgoing stage's own call_sync: the agent's would only delegate to it; force=None:
+    # recorded in a context unless func is a builtin operator, decided only if it is)
+    return agent._outgoing.call_sync(
+        dst, func, tuple(args) if args else (), kwargs or {}, timeout, force=None
     )
 
 
@@ -250,7 +252,7 @@ def rpc_async(
         rpc.shutdown()
     """
     agent = _agent()
-    dst = _to_worker_info(agent, to)
+    dst = agent.get_worker_info(to) if isinstance(to, (str, int)) else _to_worker_info(agent, to)
     if not callable(func):
         raise TypeError("function should be callable.")
     if hasattr(func, "_wrapped_async_rpc_function"):  # (the common case skips the call)
@@ -258,8 +260,8 @@ def rpc_async(
     if type(func) in SCRIPT_TARGETS:
         _refuse_rrefs(func, args, kwargs)
     args, kwargs = tuple(args) if args else (), kwargs or {}
-    try:
-        future = agent.call_async(dst, func, args, kwargs, timeout, force=not is_builtin(func))
+    try:  # (as rpc_sync: the outgoing stage's own call_async)
+        future = agent._outgoing.call_async(dst, func, args, kwargs, timeout, force=None)
     except PeerFailureError as exc:  # as torch's: a peer known dead fails the future
         future = failed_future(exc, agent._pools)
     collected = getattr(_wait_all_state, "future_list", None)

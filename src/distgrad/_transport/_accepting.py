@@ -9,6 +9,7 @@ import socket
 from collections.abc import Callable
 
 from .._errors import HandshakeError
+from .._wire._frames import Frame
 from ._base import TransportConfig
 from ._connection import Connection, ConnectionOwner
 from ._dialing import _tune
@@ -41,6 +42,7 @@ class Accepting:
         note_incarnation: Callable[[int, int], bool],
         conns: set[Connection],
         poller: ReadPoller | None,
+        deliver: Callable[[Connection, Frame], None],
     ) -> None:
         self._config = config
         self._io = io
@@ -54,6 +56,8 @@ class Accepting:
         self._conns = conns
         #: the one-shot set the loop reads plain connections through (None: none)
         self._poller = poller
+        #: where their complete frames go (the transport's frame handler, straight)
+        self._deliver = deliver
         self.handshakes: set[asyncio.Task[None]] = set()
         # pending handshakes whose peer has sent nothing yet (oldest first), and those of them
         # ended to make room for a connection that had (see on_accept)
@@ -163,6 +167,7 @@ class Accepting:
         )
         conn.incarnation = incarnation
         conn.poller = self._poller
+        conn.deliver = self._deliver
         self._conns.add(conn)
         self.accepted += 1
         conn.start()

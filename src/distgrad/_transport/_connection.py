@@ -27,12 +27,20 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from .._config import CROSS_MEMORY_THRESHOLD
 from .._errors import FrameNotSentError, PeerFailureError, ProtocolError
-from .._wire._frames import Frame, FrameParser, Kind, encode_frame, encode_frame_by_reference
+from .._wire._frames import (
+    FLAG_BY_REFERENCE,
+    HEADER,
+    Frame,
+    FrameParser,
+    Kind,
+    encode_frame,
+    encode_frame_by_reference,
+)
 from . import _memory
 from ._base import MessageInfo
 
@@ -59,6 +67,7 @@ _LINGER_CREDIT = 3
 _LINGER_RETRY = 32
 
 Piece = bytes | memoryview
+_pack_header = HEADER.pack
 
 
 class ConnectionOwner(Protocol):
@@ -98,7 +107,13 @@ class Connection:
         self.peer_label = peer_label
         #: the incarnation the peer presented in the handshake (0: unknown)
         self.incarnation = 0
+        #: the peer's incarnation was replaced (a restart): frames still read are dropped
+        #: (set by the transport, before it closes the connection)
+        self.retired = False
         self._owner = owner
+        #: where complete frames go: the owner, or straight to the owner's frame handler
+        #: (set by the transport: no hop through it on every frame)
+        self.deliver: Callable[[Connection, Frame], None] = self._to_owner
         self._io = io
         self._sock = sock
         self._fd = sock.fileno()
@@ -128,9 +143,9 @@ class Connection:
         # frames it read that are not requests wait here for the I/O thread, in order
         self._lingering = False
         self._pending: list[Frame] = []
+        self._taken: Frame | None = None  # (the request it runs itself)
         self._linger_credit = _LINGER_CREDIT
         self._linger_skipped = 0
-        self._requests_handed = 0  # (while lingering)
         self._handed = False  # the read role is held for the I/O thread (_hand_pending)
         self.closed = False
         self.goodbye_received = False
@@ -139,6 +154,9 @@ class Connection:
         now = time.monotonic()
         self.last_recv = now
         self.last_send = now
+
+    def _to_owner(self, conn: Connection, frame: Frame) -> None:
+        self._owner.on_frame(conn, frame)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -274,6 +292,9 @@ class Connection:
         """Write one frame; large buffers go by reference where the peer reads our memory --
         those the kernel lets it read (pinned CUDA host memory may not be: it goes inline).
         (``info`` is for transports that choose frames by meaning; unused here.)"""
+        if not buffers and not flags & FLAG_BY_REFERENCE:  # (encode_frame's simplest case,
+            self.send((_pack_header(kind, flags, 0, len(meta), message_id) + meta,))  # inline)
+            return
         if not (self._by_reference and buffers) or not any(
             b.raw().nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(b.raw()) for b in buffers
         ):
@@ -356,7 +377,16 @@ class Connection:
                     self._io.call_soon(self._arm_writer)
                 return
             try:
-                written = self._write_some(pieces)
+                if self._tls:
+                    written = self._write_some(pieces)
+                else:  # (_write_some's plain case, inline: this is on every frame's path)
+                    try:
+                        if len(pieces) == 1:
+                            written = self._sock.send(pieces[0])
+                        else:
+                            written = self._sock.sendmsg(pieces[:_IOV_MAX])
+                    except (BlockingIOError, InterruptedError):
+                        written = 0
             except OSError as exc:
                 # Nothing was queued before this frame and the write took none of it: the
                 # connection is dead and the peer cannot have the frame. Closed now (a resend
@@ -564,30 +594,30 @@ class Connection:
                 except (OSError, ValueError):  # unregistered (closed), or the set is closed
                     pass
 
-    def serve_lingering(self, *, held: bool = False) -> bool:
+    def serve_lingering(self, *, held: bool = False) -> Frame | None:
         """On a worker that served a request from this connection: wait a moment
-        (``_LINGER``) for the next frame on this thread, and read what came, handing on its
-        requests here -- the owner may keep one to run on this thread -- so that a peer that
-        calls again at once wakes this worker only, not the I/O thread and then a worker.
-        Any other frame, and everything after it in that read, goes to the I/O thread in
-        order (as if it had read them: handlers meant for the I/O thread run there). Returns
-        whether a request was handed on here (so lingering again may pay). A connection
-        where lingering keeps finding nothing is not lingered on for a while. ``held``: the
-        worker took the role already (:meth:`hold_read`); it is given back either way."""
+        (``_LINGER``) for the next frame on this thread, and read what came. The first
+        request read is returned, not handed on: the worker runs it itself, so that a peer
+        that calls again at once wakes this worker only, not the I/O thread and then a
+        worker; further requests are handed on here. Any other frame, and everything after
+        it in that read, goes to the I/O thread in order (as if it had read them: handlers
+        meant for the I/O thread run there). ``None``: no request came. A connection where
+        lingering keeps finding nothing is not lingered on for a while. ``held``: the worker
+        took the role already (:meth:`hold_read`); it is given back either way."""
         poller = self.poller
         if self._linger_credit <= 0:
             self._linger_skipped += 1
             if self._linger_skipped < _LINGER_RETRY:
                 if held:
                     self.release_read()
-                return False
+                return None
             self._linger_skipped = 0
             self._linger_credit = 1
         if not held and not self.hold_read():
-            return False
+            return None
         assert poller is not None
         fd = self._fd
-        got = False
+        taken = None
         try:
             wait = self._wait
             if wait is None:
@@ -595,13 +625,12 @@ class Connection:
                 wait.register(fd, select.POLLIN)
             if wait.poll(int(_LINGER * 1000)):
                 self._lingering = True
-                before = self._requests_handed
                 while self._read_step() > 0:
                     pass
-                got = self._requests_handed != before
         finally:
             self._lingering = False
-            if got:
+            taken, self._taken = self._taken, None
+            if taken is not None:
                 self._linger_credit = min(_LINGER_CREDIT, self._linger_credit + 1)
             else:
                 self._linger_credit -= 1
@@ -615,7 +644,7 @@ class Connection:
                         poller.modify(fd, poller.events)
                     except (OSError, ValueError):  # unregistered (closed), or the set is closed
                         pass
-        return got
+        return taken
 
     def _hand_pending(self) -> None:
         """I/O thread: hand on the frames a lingering worker left, then give the read role
@@ -629,8 +658,10 @@ class Connection:
                 if frame.kind == Kind.GOODBYE:
                     self.goodbye_received = True
                     continue
+                if self.retired:
+                    continue  # (as _read_step)
                 try:
-                    self._owner.on_frame(self, frame)
+                    self.deliver(self, frame)
                 except Exception:
                     _log.exception("error while handling a frame from %s", self.peer_label)
         finally:
@@ -695,12 +726,16 @@ class Connection:
                 if self._pending or frame.kind != Kind.REQUEST:
                     self._pending.append(frame)  # (for the I/O thread, in order)
                     continue
-                self._requests_handed += 1
+                if self._taken is None and not self.retired:
+                    self._taken = frame  # (the lingering worker runs it itself)
+                    continue
             if frame.kind == Kind.GOODBYE:
                 self.goodbye_received = True
                 continue
+            if self.retired:
+                continue  # a frame of a replaced incarnation (its connection is closing)
             try:
-                self._owner.on_frame(self, frame)
+                self.deliver(self, frame)
             except Exception:
                 _log.exception("error while handling a frame from %s", self.peer_label)
         if n < len(buf) and not (self._tls and self._sock.pending()):  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from .._errors import DistgradError, HandshakeError, PeerFailureError
+from .._wire._frames import Frame
 from ._base import PeerAddress, TransportConfig
 from ._connection import Connection, ConnectionOwner
 from ._handshake import PeerClosedHandshake, client_handshake
@@ -48,6 +49,7 @@ class Dialing:
         peers: Mapping[int, PeerAddress],
         conns: set[Connection],
         poller: ReadPoller | None,
+        deliver: Callable[[Connection, Frame], None],
         verdicts: PeerVerdicts,
         host_id: str,
     ) -> None:
@@ -65,6 +67,8 @@ class Dialing:
         self._conns = conns
         #: the one-shot set the loop reads plain connections through (None: none)
         self._poller = poller
+        #: where their complete frames go (the transport's frame handler, straight)
+        self._deliver = deliver
         self._verdicts = verdicts
         self._host_id = host_id
         #: connections opened so far
@@ -156,6 +160,7 @@ class Dialing:
         conn = Connection(self._owner, self._io, sock, rank, label, cfg.max_message_size)
         conn.incarnation = incarnation
         conn.poller = self._poller
+        conn.deliver = self._deliver
         self._conns.add(conn)
         self.opened += 1
         self._io.call_soon(conn.start)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .._errors import PeerFailureError
 from ._base import TransportConfig
@@ -57,6 +57,8 @@ class PeerVerdicts:
         self.fail_stop = fail_stop
         self._lock = threading.Lock()
         self._dead: dict[int, PeerFailureError] = {}
+        #: the ranks known dead (the same dict: read on every send, see :meth:`is_dead`)
+        self.dead: Mapping[int, PeerFailureError] = self._dead
         self._suspected: dict[int, PeerFailureError] = {}
         self._unreachable: dict[int, tuple[float, PeerFailureError]] = {}
         #: the incarnation known for each rank (read on every frame: see :meth:`is_current`)

@@ -122,6 +122,7 @@ class SocketTransport:
             note_incarnation=self.note_incarnation,
             conns=self._conns,
             poller=self._poller,
+            deliver=handler.on_frame,
         )
         self._dialing = Dialing(
             config,
@@ -134,6 +135,7 @@ class SocketTransport:
             verdicts=self._verdicts,
             host_id=self.host_id,
             poller=self._poller,
+            deliver=handler.on_frame,
         )
 
     def _peer_label(self, rank: int) -> str:
@@ -203,6 +205,7 @@ class SocketTransport:
         accepted, restarted = self._verdicts.note_incarnation(rank, incarnation)
         if restarted is not None:
             for conn in [c for c in self._conns if c.peer == rank and not self.is_current(c)]:
+                conn.retired = True  # (what it still reads is dropped: see on_frame)
                 conn.close(restarted)
         return accepted
 
@@ -215,8 +218,8 @@ class SocketTransport:
         """The connection for sending to ``rank``, opened (blocking) on first use. A rank known
         dead (or gone from the group: its links stay open until it closes them) fails at once."""
         conn = self._out.get(rank)
-        if conn is not None and not conn.closed and not self._verdicts.is_dead(rank):
-            return conn
+        if conn is not None and not conn.closed and rank not in self._verdicts.dead:
+            return conn  # (is_dead, inline: this is on every call's path)
         return self._connect(rank)
 
     def open_link(self, rank: int) -> Connection | LoopbackConnection | None:
@@ -258,10 +261,11 @@ class SocketTransport:
 
     # -- callbacks from connections ---------------------------------------------------------------
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        incarnation = conn.incarnation  # (is_current, inline: this runs for every frame)
-        if incarnation and self._verdicts.incarnations.get(conn.peer) not in (None, incarnation):
-            return  # a frame of a replaced incarnation (its connection is closing)
-        self._handler.on_frame(conn, frame)
+        # (The connections this transport makes hand their frames straight to the handler,
+        # ``Connection.deliver``, and drop those of a replaced incarnation themselves: the
+        # transport marks them ``retired`` when it learns of the new one, before closing them.)
+        if not conn.retired:
+            self._handler.on_frame(conn, frame)
 
     def deliver(self, conn: LoopbackConnection, frame: Frame) -> None:
         self._handler.on_frame(conn, frame)

@@ -195,7 +195,21 @@ class FrameParser:
             self._finish_direct()
         else:
             self._end += nbytes
-            self._parse_small(frames)
+            if self._header is None:
+                # Fast path: complete frames without buffers, straight out of staging (inline:
+                # this is on every read's path).
+                view, start, end = self._view, self._start, self._end
+                limit = min(self._direct_threshold, self._max)  # larger: the general path
+                while end - start >= _HEADER_SIZE:
+                    kind, flags, nbuf, meta_len, message_id = _unpack_header(view, start)
+                    stop = start + _HEADER_SIZE + meta_len
+                    if nbuf or meta_len > limit or stop > end or kind not in _KINDS:
+                        break  # the general parser validates, waits, or raises
+                    frames.append(
+                        Frame(kind, message_id, bytes(view[start + _HEADER_SIZE : stop]), [], flags)
+                    )
+                    start = stop
+                self._start = start
         while self._start < self._end or self._header is not None:
             frame = self._parse_one()
             if frame is None:
@@ -204,23 +218,6 @@ class FrameParser:
         if self._start == self._end and self._direct is None:
             self._start = self._end = 0  # drained: the next read gets the whole staging buffer
         return frames
-
-    def _parse_small(self, frames: list[Frame]) -> None:
-        """Fast path: complete frames without buffers, straight out of staging."""
-        if self._header is not None:
-            return
-        view, start, end = self._view, self._start, self._end
-        limit = min(self._direct_threshold, self._max)  # larger: the general path decides
-        while end - start >= _HEADER_SIZE:
-            kind, flags, nbuf, meta_len, message_id = _unpack_header(view, start)
-            stop = start + _HEADER_SIZE + meta_len
-            if nbuf or meta_len > limit or stop > end or kind not in _KINDS:
-                break  # the general parser validates, waits, or raises
-            frames.append(
-                Frame(kind, message_id, bytes(view[start + _HEADER_SIZE : stop]), [], flags)
-            )
-            start = stop
-        self._start = start
 
     # -- internals ------------------------------------------------------------------------------
     def _compact(self) -> None:

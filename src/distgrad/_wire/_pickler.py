@@ -67,6 +67,7 @@ from ._reducers import (
 
 __all__ = [
     "HAS_TABLE",
+    "PLAIN",
     "Encoded",
     "allocate_buffer",
     "current_guard",
@@ -76,6 +77,7 @@ __all__ = [
     "dumps",
     "encode",
     "extracting_tensors",
+    "is_plain",
     "loads",
     "register_reducer",
     "restricted_loads",
@@ -242,6 +244,10 @@ _receiving = _Receiving()
 
 #: Frame flag: the pickle stream is a tensor table followed by the payload.
 HAS_TABLE = 1
+#: Frame flag: the stream is plain ``pickle`` of a plain object (:func:`is_plain`: atoms and
+#: functions by reference) -- no tensor, no reference, nothing a layer reduces -- so the
+#: receiver may skip what only those need (the callee's lean path, ``_serving``).
+PLAIN = 2
 
 
 @dataclass(slots=True)
@@ -362,7 +368,7 @@ _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_CALLABLES = frozenset({types.FunctionType, types.BuiltinFunctionType})
 
 
-def _is_plain(obj: Any) -> bool:
+def is_plain(obj: Any) -> bool:
     """True for what plain pickle handles exactly as this pickler would: an atom, or a small
     tuple of atoms, module-level functions (by reference) and small tuples or str-keyed dicts
     of atoms -- the shape of a small request ``(func, args, kwargs)``. The common small
@@ -394,8 +400,8 @@ def _is_plain(obj: Any) -> bool:
 def _encode_inline(
     obj: Any, cache: _ThreadPicklers | ChosenPicklers, device_check: DeviceCheck | None
 ) -> Encoded:
-    if cache is _cached and _is_plain(obj):  # (a chosen pickler pickles everything)
-        return Encoded(pickle.dumps(obj, protocol=5), [], [], 0)
+    if cache is _cached and is_plain(obj):  # (a chosen pickler pickles everything)
+        return Encoded(pickle.dumps(obj, protocol=5), [], [], PLAIN)
     if _routes_cpu(device_check):
         file, buffers, pickler = fresh(cache.routed)
         reuse = False

@@ -18,7 +18,8 @@ named here is the core's own business.
   registered later included);
 * errors (``_remote_error``): :class:`RemoteTraceback`, :func:`report_udf_error`;
 * the layer protocol (``_layer``): :class:`RpcLayer`, :class:`LayerAgent`, :class:`CallRecord`,
-  :class:`KeyScope`, :func:`register_layer`, :func:`call_recorder`, :func:`shutting_down`;
+  :class:`KeyScope`, :func:`register_layer`, :func:`call_recorder`, :func:`shutting_down`,
+  ``recording`` (per thread: whether the recording layer is asked about calls on it);
   and two hook modules a layer works through: ``profiling`` (``_profiling``: the profiled
   call paths, ``key_scope``, and the serving wrapper the server-side profiler sets) and
   ``delivery`` (``_delivery``: what a request's pickled objects hear of its failure); and
@@ -52,6 +53,7 @@ from ._layer import (
     LayerAgent,
     RpcLayer,
     call_recorder,
+    recording,
     register_layer,
     shutting_down,
 )
@@ -126,6 +128,7 @@ __all__ = [
     "message_type",
     "on_io_thread",
     "profiling",
+    "recording",
     "register_backend",
     "register_faulty_backend",
     "register_layer",

@@ -121,7 +121,9 @@ def current_agent() -> RpcAgent | None:
 
 def require_agent() -> RpcAgent:
     """The calling thread's agent, or torch's error when RPC is not initialized."""
-    agent = current_agent()
+    agent: RpcAgent | None = thread_binding.agent  # (current_agent, inline: on every call)
+    if agent is None:
+        agent = _current.process
     if agent is None:
         raise RuntimeError(
             "RPC has not been initialized. Call torch.distributed.rpc.init_rpc first."
@@ -576,7 +578,7 @@ class RpcAgent:
         kwargs: dict[str, Any],
         timeout: float = -1.0,
         *,
-        force: bool = True,
+        force: bool | None = True,
         internal: bool = False,
     ) -> Any:
         """Send a request and wait for its result, raising remote errors
@@ -593,7 +595,7 @@ class RpcAgent:
         kwargs: dict[str, Any],
         timeout: float = -1.0,
         *,
-        force: bool = True,
+        force: bool | None = True,
         internal: bool = False,
     ) -> torch.futures.Future[Any]:
         """Send a request; return a ``torch.futures.Future`` of its result

@@ -47,6 +47,9 @@ class Codec:
         self.backend = DeviceBackend()
         self._device_checks: dict[tuple[str, int], DeviceRouter] = {}
         self._peer_limits: dict[int, int] = {}  # peers accepting less than this worker
+        #: the lowest limit of all (this worker's and its peers'): a message of at most this
+        #: many bytes passes :meth:`check_bytes` for every peer, which need not be asked
+        self.least_limit = options.max_message_size
 
     @property
     def max_message_size(self) -> int:
@@ -63,6 +66,7 @@ class Codec:
             for rank, address in addresses.items()
             if 0 < address.max_message_size < self.max_message_size
         }
+        self.least_limit = min([self.max_message_size, *self._peer_limits.values()])
 
     def set_peer_limit(self, rank: int, max_message_size: int) -> None:
         """Remember what one (new) peer accepts."""
@@ -70,6 +74,7 @@ class Codec:
             self._peer_limits[rank] = max_message_size
         else:
             self._peer_limits.pop(rank, None)
+        self.least_limit = min([self.max_message_size, *self._peer_limits.values()])
 
     def set_device_plan(self, plan: DevicePlan, backend: DeviceBackend) -> None:
         """Use ``plan``'s maps from now on (init, or a member joined), moved by ``backend``."""
@@ -103,20 +108,26 @@ class Codec:
         """Refuse to send what this worker, or the peer (whose limit came with its address),
         would refuse to receive: the peer would drop the connection, and the call would fail
         without saying why, and every call on that connection with it. Returns the size."""
+        size = len(encoded.meta)
+        if encoded.buffers:
+            size += sum(buffer.raw().nbytes for buffer in encoded.buffers)
+        if size > self.least_limit:
+            self.check_bytes(size, dst)
+        return size
+
+    def check_bytes(self, size: int, dst: int) -> None:
+        """:meth:`check_size` of a message of ``size`` bytes (a caller that knows the size
+        asks only when it is above :attr:`least_limit`)."""
         limit = self.options.max_message_size
         peer_limit = self._peer_limits.get(dst)
         if peer_limit is not None:
             limit = peer_limit
-        size = len(encoded.meta)
-        if encoded.buffers:
-            size += sum(buffer.raw().nbytes for buffer in encoded.buffers)
         if size > limit:
             whose = "" if peer_limit is None else f" of {self._label(dst)}"
             raise MessageTooLargeError(
                 f"message of {size} bytes exceeds the maximum message size{whose} of {limit} "
                 "bytes (TensorPipeRpcBackendOptions(max_message_size=...))"
             )
-        return size
 
 
 class DeviceRouter:

@@ -57,6 +57,7 @@ __all__ = [
     "call_recorder",
     "layer_metrics",
     "layers",
+    "recording",
     "register_layer",
     "shutting_down",
     "unregister_layer",
@@ -120,6 +121,9 @@ class RpcLayer:
     #: This layer tracks references (the ``*_collecting`` / ``wait_usable`` / ``fail_unrun``
     #: hooks are called).
     tracks_references: ClassVar[bool] = False
+    #: A layer that records calls and keeps :data:`recording` up to date: the call path then
+    #: asks :meth:`active` only on threads whose count is above 0.
+    counts_recording: ClassVar[bool] = False
 
     # -- lifecycle (every layer) -----------------------------------------------------------------
     def message_types(self) -> Mapping[object, str]:
@@ -150,7 +154,8 @@ class RpcLayer:
     # (``None``: the request needs nothing).
     def active(self) -> bool:
         """Caller thread: whether outgoing requests need recording at all now (when not, the
-        message is pickled in one pass, its tensors inline)."""
+        message is pickled in one pass, its tensors inline). With :attr:`counts_recording`,
+        asked only on a thread whose :data:`recording` count is above 0."""
         return False
 
     def outgoing_request(
@@ -269,6 +274,21 @@ class RpcLayer:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+class _Recording(threading.local):
+    #: the reasons the layer that records calls has to be asked on this thread whether to
+    #: record (:meth:`RpcLayer.active`), where it keeps the count
+    #: (:attr:`RpcLayer.counts_recording`; distributed autograd: the containers where this
+    #: thread has a current context): a thread where it is 0 -- any thread outside a context
+    #: -- is not asked, an attribute read on the call path instead of a call
+    reasons: int = 0
+
+
+#: per thread: whether calls made on it may need recording (see :class:`_Recording`)
+recording = _Recording()
+#: whether the layer that records calls (if any) keeps :data:`recording`
+recorder_counts = False
+
+
 # -- the registry ------------------------------------------------------------------------------
 # Read on the call path without a lock (a reference read is atomic); written under _lock.
 _lock = threading.Lock()
@@ -287,10 +307,11 @@ def _holder(role: str, candidates: tuple[RpcLayer, ...]) -> RpcLayer | None:
 
 
 def _install(new: tuple[RpcLayer, ...]) -> None:
-    global _layers, _recorder, _profiler, _references
+    global _layers, _recorder, _profiler, _references, recorder_counts
     recorder = _holder("records_calls", new)
     profiler = _holder("profiles_calls", new)
     references = _holder("tracks_references", new)
+    recorder_counts = recorder is not None and recorder.counts_recording
     _layers, _recorder, _profiler, _references = new, recorder, profiler, references
 
 

@@ -10,6 +10,7 @@ calls table and is given what else it uses (the agent's running state, ``_shared
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -27,17 +28,19 @@ from ..._errors import (
     RpcTimeoutError,
     rpc_timeout_message,
 )
-from ..._transport._base import Link
+from ..._transport._base import Link, MessageInfo
 from ..._transport._io import IoThread
+from ..._wire._choice import state as choice
 from ..._wire._frames import Frame, Kind
-from ..._wire._pickler import decode, encode, loads
+from ..._wire._pickler import PLAIN, decode, encode, is_plain, loads
 from . import _delivery, _layer, _profiling, _tracing
 from ._call_table import TICK, CallTable
-from ._calls import RpcFuture, _Call, set_future_error
+from ._calls import RpcFuture, _Call, is_builtin, set_future_error
 from ._codec import Codec
 from ._extension import CallRecord
+from ._layer import recording
 from ._messages import describe_request
-from ._pool import ThreadPool, member_pool
+from ._pool import ThreadPool, membership
 from ._remote_error import exception_from_payload
 from ._shared import Shared
 from ._statistics import (
@@ -55,6 +58,9 @@ from ._worker_info import WorkerInfo
 __all__ = ["Outgoing"]
 
 _log = logging.getLogger("distgrad.rpc")
+_dumps = pickle.dumps
+_autograd: Any = torch.autograd
+_profiler_enabled: Callable[[], bool] = _autograd._profiler_enabled
 
 
 #: what an internal call's answer is handed to: ``(result, error)``
@@ -107,10 +113,12 @@ class Outgoing:
         future: torch.futures.Future[Any] | None,
         *,
         internal: bool,
-        force: bool,
+        force: bool | None,
         callback: AnswerCallback | None = None,
         device_map: DeviceMap | None = None,
     ) -> _Call:
+        """Send a request, whatever it holds (the general path; :meth:`_send_plain` is the
+        lean one). ``force``: see :meth:`call_sync`."""
         if self._shared.stopped:
             raise self._shared.stopped_error("REQUEST")
         assert self._shared.transport is not None
@@ -123,11 +131,7 @@ class Outgoing:
         try:
             conn = self._shared.transport.connection(dst.id)
         except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
-            self._stats.sent(dst.id, 0)
-            function = function_label(payload[0])
-            self._stats.answered(dst.id, 0, function, 0.0, PEER_FAILURE)
-            if span is not None:
-                span.end("peer_failure")
+            self._count_unsent(dst.id, payload[0], span)
             raise
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         check = self._codec.device_check("Request", dst.id, device_map)
@@ -137,14 +141,21 @@ class Outgoing:
         encoding.dst = dst.id
         encoding.callbacks = settle
         try:
-            if extension is None or internal or not extension.active():
+            if (
+                extension is None
+                or internal
+                or (_layer.recorder_counts and not recording.reasons)
+                or not extension.active()
+            ):
                 extension = None
                 encoded = encode(payload, device_check=check)
             else:
+                if force is None:  # a user's call: recorded unless it calls a builtin operator
+                    force = not is_builtin(payload[0])
 
                 def make_ext(tensors: list[torch.Tensor]) -> CallRecord | None:
                     assert extension is not None
-                    record = extension.outgoing_request(dst.id, tensors, force)
+                    record = extension.outgoing_request(dst.id, tensors, bool(force))
                     if record is not None and check.map:  # the forward carries the device map
                         record = record._replace(device_map=check.map)
                     made.append(record)
@@ -158,10 +169,8 @@ class Outgoing:
         finally:
             encoding.dst = -1
             encoding.callbacks = None
-        calls = self.calls
-        cid = calls.next_id()
         call = _Call(
-            cid,
+            self.calls.next_id(),
             conn,
             self._shared.rpc_timeout if timeout < 0 else timeout,
             future,
@@ -176,23 +185,106 @@ class Outgoing:
         call.span = span
         if settle:
             call.settle = settle
-        if not internal:
-            with self._active_lock:
-                self._active += 1
-        calls.add(call)
-        self._stats.sent(dst.id, size)
         info = None
         if self._shared.describe:
             wrapped = bool(made) and made[0] is not None
             info = describe_request(payload[0], payload[1], wrapped=wrapped)
-        if future is None and callback is None:  # rpc_sync: its caller will read the answer
+        try:
+            self._post(call, dst, size, encoded.meta, encoded.buffers, encoded.flags, info)
+        finally:
+            if extension is not None:
+                extension.sent()
+        return call
+
+    def _send_plain(
+        self,
+        dst: WorkerInfo,
+        payload: tuple[Any, ...],
+        timeout: float,
+        future: torch.futures.Future[Any] | None,
+    ) -> _Call:
+        """Send a user's request on the lean path (its preconditions: :meth:`_lean`). What
+        :meth:`_send` does that such a request has no use for is left out: no tracing span,
+        no description, no device routing and no recording (it holds no tensor), no object
+        in it to hear of its failure; it is pickled by plain ``pickle``, as the tensor-aware
+        pickler would (``is_plain``), and flagged ``PLAIN`` for the callee's lean path."""
+        shared = self._shared
+        if shared.stopped:
+            raise shared.stopped_error("REQUEST")
+        assert shared.transport is not None
+        try:
+            conn = shared.transport.connection(dst.id)
+        except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
+            self._count_unsent(dst.id, payload[0], None)
+            raise
+        meta = _dumps(payload, 5)
+        size = len(meta)
+        if size > self._codec.least_limit:
+            self._codec.check_bytes(size, dst.id)
+        call = _Call(
+            self.calls.next_id(),
+            conn,
+            shared.rpc_timeout if timeout < 0 else timeout,
+            future,
+            internal=False,
+        )
+        func = payload[0]  # (a function: hashable)
+        call.function = FUNCTION_LABELS.get(func) or function_label(func)
+        call.started = time.perf_counter()
+        self._post(call, dst, size, meta, None, PLAIN, None)
+        return call
+
+    def _lean(self, payload: tuple[Any, ...]) -> bool:
+        """Whether a user's request takes the lean path (:meth:`_send_plain`, issue 28). Its
+        preconditions: nothing to record (no layer records calls, or it keeps ``recording``
+        and no distributed autograd context is current on this thread), no tracing, no transport that wants frames
+        described (fault injection), the default pickler, and a plain payload (``is_plain``:
+        atoms and functions by reference -- no tensor, so no device map applies, and no
+        object that asks to hear of the call's failure). Anything else takes the general
+        path, :meth:`_send`; both register and write the request through :meth:`_post`, and
+        their answers come back the same way."""
+        return (
+            (_layer._recorder is None or (_layer.recorder_counts and not recording.reasons))
+            and not _tracing.active
+            and not self._shared.describe
+            and choice.picklers is None
+            and is_plain(payload)
+        )
+
+    def _count_unsent(self, dst: int, func: Any, span: Any) -> None:
+        """Count a call to a peer known dead, which fails before it is registered."""
+        self._stats.sent(dst, 0)
+        self._stats.answered(dst, 0, function_label(func), 0.0, PEER_FAILURE)
+        if span is not None:
+            span.end("peer_failure")
+
+    def _post(
+        self,
+        call: _Call,
+        dst: WorkerInfo,
+        size: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer] | None,
+        flags: int,
+        info: MessageInfo | None,
+    ) -> None:
+        """Register ``call`` (its request of ``size`` bytes encoded) and write its request --
+        the part both paths share: the resend of a request the connection did not take, and
+        the failure of one whose link broke meanwhile."""
+        calls = self.calls
+        cid = call.cid
+        if not call.internal:
+            with self._active_lock:
+                self._active += 1
+        calls.add(call)
+        self._stats.sent(dst.id, size)
+        conn = call.conn
+        if call.lock is not None:  # rpc_sync: its caller will read the answer itself
             hold = getattr(conn, "hold_read", None)  # (taken before the request goes out,
             call.held = hold is not None and hold()  # so the answer cannot reach another)
         try:
             try:
-                conn.send_frame(
-                    Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
-                )
+                conn.send_frame(Kind.REQUEST, cid, meta, buffers, flags, info=info)
             except FrameNotSentError as exc:
                 # The connection was found dead before any byte of the request left: the peer
                 # cannot have run it, so it goes once more, on a fresh connection. (The loss
@@ -202,9 +294,7 @@ class Outgoing:
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
                 calls.add(call)
-                conn.send_frame(
-                    Kind.REQUEST, cid, encoded.meta, encoded.buffers, encoded.flags, info=info
-                )
+                conn.send_frame(Kind.REQUEST, cid, meta, buffers, flags, info=info)
         except FrameNotSentError as exc:
             _let_go(call)
             if calls.pop(cid) is not None:
@@ -221,9 +311,6 @@ class Outgoing:
                 self._done(call)
             _delivery.run_failure_callbacks(call.settle, False)  # (nothing was written)
             raise
-        finally:
-            if extension is not None:
-                extension.sent()
         calls.sent(call)
         # The link broke after the call was registered: its failure may have taken the calls
         # out before this one was in, or while it was being written (see _call_table), so
@@ -233,7 +320,6 @@ class Outgoing:
             self._done(call, PEER_FAILURE)
             _delivery.run_failure_callbacks(call.settle, True)
             raise PeerFailureError(f"{conn.broken_error()}{MAYBE_RUN}", conn.peer_label)
-        return call
 
     def _resend(self, call: _Call, dst: WorkerInfo, error: FrameNotSentError) -> Link:
         """A fresh connection for ``call`` (out of the table), whose request could not be
@@ -259,14 +345,15 @@ class Outgoing:
         kwargs: dict[str, Any],
         timeout: float = -1.0,
         *,
-        force: bool = True,
+        force: bool | None = True,
         internal: bool = False,
     ) -> Any:
         """Send a request and wait for its result (raising remote errors).
 
         ``force`` asks the extension to record the call even without grad-requiring tensors
-        (torch records every Python UDF call inside a context, but not builtin operators)."""
-        if _profiling.wants(func):  # the only cost of profiling support when it is off
+        (torch records every Python UDF call inside a context, but not builtin operators);
+        ``None``: as for a user's call, recorded unless ``func`` is a builtin operator."""
+        if _profiler_enabled() and _profiling.wants(func):  # (off: one C call, no more)
             return _profiling.call_sync(
                 self.call_sync,
                 self._shared.worker_info,
@@ -275,15 +362,21 @@ class Outgoing:
                 args,
                 kwargs,
                 timeout,
-                force,
+                not is_builtin(func) if force is None else force,  # (it wraps func)
                 internal,
             )
-        call = self._send(dst, (func, args, kwargs), timeout, None, internal=internal, force=force)
+        payload = (func, args, kwargs)
+        if not internal and self._lean(payload):
+            call = self._send_plain(dst, payload, timeout, None)
+        else:
+            call = self._send(dst, payload, timeout, None, internal=internal, force=force)
         lock = call.lock
         assert lock is not None
-        pool = member_pool(self._pools)
-        if pool is not None:  # a pool thread waiting here frees its slot meanwhile
-            pool.enter_blocking()
+        pool = membership.pool  # (member_pool, inline: this is on every call's path)
+        if pool is not None and pool in self._pools:  # a pool thread waiting here frees its
+            pool.enter_blocking()  # slot meanwhile
+        else:
+            pool = None
         try:
             timeout = call.timeout
             # Waiting alone, the caller reads its own answer off the connection (no thread
@@ -327,11 +420,12 @@ class Outgoing:
         kwargs: dict[str, Any],
         timeout: float = -1.0,
         *,
-        force: bool = True,
+        force: bool | None = True,
         internal: bool = False,
     ) -> torch.futures.Future[Any]:
-        """Send a request; return a ``torch.futures.Future`` of its result."""
-        if _profiling.wants(func):
+        """Send a request; return a ``torch.futures.Future`` of its result (``force``: see
+        :meth:`call_sync`)."""
+        if _profiler_enabled() and _profiling.wants(func):  # (off: one C call, no more)
             return _profiling.call_async(
                 self.call_async,
                 self._shared.worker_info,
@@ -340,15 +434,17 @@ class Outgoing:
                 args,
                 kwargs,
                 timeout,
-                force,
+                not is_builtin(func) if force is None else force,  # (it wraps func)
                 internal,
             )
         future = RpcFuture() if self._codec.backend.name == "cpu" else self._device_future()
         future._pools = self._pools
+        payload = (func, args, kwargs)
         try:
-            call = self._send(
-                dst, (func, args, kwargs), timeout, future, internal=internal, force=force
-            )
+            if not internal and self._lean(payload):
+                call = self._send_plain(dst, payload, timeout, future)
+            else:
+                call = self._send(dst, payload, timeout, future, internal=internal, force=force)
         except InjectedFailureError as exc:  # as torch's faulty agent: a failed future
             set_future_error(future, exc)
             return future

@@ -11,13 +11,18 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ThreadPool", "blocking", "member_pool"]
+__all__ = ["ThreadPool", "blocking", "member_pool", "membership"]
 
 _log = logging.getLogger("distgrad.rpc")
 
 
 class _Membership(threading.local):
-    member = False  # class default: every thread that is not the pool's reads False
+    #: the pool the calling thread belongs to (a thread belongs to one pool at most)
+    pool: ThreadPool | None = None  # class default: every other thread reads None
+
+
+#: per thread: its pool (``membership.pool``), read on every call's path without a call
+membership = _Membership()
 
 
 class ThreadPool:
@@ -54,7 +59,6 @@ class ThreadPool:
         #: tasks for the next thread that finishes its current one (submit_after_current)
         self._after: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._stopped = False
-        self._mine = _Membership()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._stopped:
@@ -110,7 +114,7 @@ class ThreadPool:
 
     def is_member(self) -> bool:
         """True on one of this pool's threads."""
-        return self._mine.member
+        return membership.pool is self
 
     def enter_blocking(self) -> None:
         """The calling pool thread blocks (waiting for an RPC): its slot is free meanwhile."""
@@ -150,7 +154,7 @@ class ThreadPool:
             self._lingering -= 1
 
     def _work(self) -> None:
-        self._mine.member = True
+        membership.pool = self
         if self._on_start is not None:
             self._on_start()
         get = self._queue.get
@@ -199,10 +203,8 @@ class ThreadPool:
 
 def member_pool(pools: tuple[ThreadPool, ...]) -> ThreadPool | None:
     """The pool of ``pools`` that the calling thread belongs to, if any."""
-    for pool in pools:
-        if pool._mine.member:  # (is_member, inline: this is on every call's path)
-            return pool
-    return None
+    pool = membership.pool
+    return pool if pool is not None and pool in pools else None
 
 
 @contextlib.contextmanager

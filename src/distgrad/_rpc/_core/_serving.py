@@ -23,9 +23,10 @@ from ..._devices._backend import Arrivals, Process, take_arrivals
 from ..._errors import DistgradError, RpcShutdownError
 from ..._transport._base import Link, MessageInfo
 from ..._wire import _choice
+from ..._wire._choice import state as choice
 from ..._wire._frames import Frame, Kind
 from ..._wire._guard import RefusedError
-from ..._wire._pickler import decode, dumps, encode, loads
+from ..._wire._pickler import PLAIN, decode, dumps, encode, is_plain, loads
 from . import _layer, _profiling, _tracing
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
@@ -41,6 +42,8 @@ from ._torchscript import is_script_function
 __all__ = ["Serving"]
 
 _log = logging.getLogger("distgrad.rpc")
+_loads = pickle.loads
+_dumps = pickle.dumps
 
 
 class Serving:
@@ -87,10 +90,6 @@ class Serving:
 
     # -- receive (I/O thread) --------------------------------------------------------------------
     def on_request(self, conn: Link, frame: Frame) -> None:
-        slot = self._here.slot
-        if slot is not None and not slot and not self.gil_profiling:
-            slot.append(frame)  # read by a lingering worker: it runs it itself
-            return
         try:
             if self.gil_profiling:
                 self._workers.submit(self._serve_timed, conn, frame, time.perf_counter())
@@ -185,21 +184,37 @@ class Serving:
                 if held:
                     conn.release_read()  # type: ignore[attr-defined]
                 return
-            slot: list[Frame] = []
-            here.slot = slot
             try:
-                got = linger(held=held)
+                taken = linger(held=held)  # the next request, read on this thread
             finally:
-                here.slot = None
                 pool.linger_end()
-            if not slot:
+            if taken is None:
                 return
-            frame = slot[0]
-            if not got:
-                self._serve(conn, frame)
+            if self.gil_profiling or self._shared.stopped:  # as if the I/O thread had read
+                self.on_request(conn, taken)  # it: timed, or refused by a stopped pool
                 return
+            frame = taken
 
     def _serve(self, conn: Link, frame: Frame) -> None:
+        if frame.flags & PLAIN and choice.unpickler is None and not self._shared.describe:
+            # The lean path (issue 28). Preconditions: a plain request (``PLAIN``: plain
+            # pickle of atoms and functions -- no tensor, so no table, no recording and
+            # nothing on devices; no reference, so none to collect or wait for, and no
+            # ``remote()`` creation), the default unpickler (no allow-list: a guard always
+            # comes with its own), replies not described (fault injection). It runs as the
+            # general path below would, without the steps such a request has no use for.
+            self._stats.request(conn.peer, len(frame.meta))
+            try:
+                plain = _loads(frame.meta)
+                func, args, kwargs = plain[0], plain[1], plain[2]
+            except BaseException as exc:
+                self._reply_error(conn, frame.message_id, self._unpickling_error(exc, conn))
+                return
+            if len(plain) > 3:  # a traced call
+                self._serve_traced(conn, frame, plain[3], func, args, kwargs, None, None)
+                return
+            self._run(conn, frame, func, args, kwargs, None)
+            return
         size = len(frame.meta)
         if frame.buffers:
             size += sum(buffer.nbytes for buffer in frame.buffers)
@@ -222,15 +237,7 @@ class Serving:
             )
             func, args, kwargs = request[0], request[1], request[2]
         except BaseException as exc:
-            if isinstance(exc, RefusedError):  # the allow-list: the error names what and why
-                error: BaseException = exc
-                self._stats.refused(conn.peer)
-            elif isinstance(exc, (AttributeError, ImportError)):
-                error = RuntimeError(f"{UDF_MISSING} ({exc!r})")
-                report_udf_error(error, str(self._shared.worker_info))
-            else:
-                error = RuntimeError(f"could not unpickle the request: {exc!r}")
-            unrun: BaseException | None = error
+            unrun: BaseException | None = self._unpickling_error(exc, conn)
         else:
             unrun = None
             guard = _choice.state.guard  # (an attribute read: no call per request)
@@ -272,6 +279,17 @@ class Serving:
             self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
             return
         self._run(conn, frame, func, args, kwargs, state)
+
+    def _unpickling_error(self, exc: BaseException, conn: Link) -> BaseException:
+        """What a request that could not be unpickled is answered with (``exc``: why)."""
+        if isinstance(exc, RefusedError):  # the allow-list: the error names what and why
+            self._stats.refused(conn.peer)
+            return exc
+        if isinstance(exc, (AttributeError, ImportError)):
+            error = RuntimeError(f"{UDF_MISSING} ({exc!r})")
+            report_udf_error(error, str(self._shared.worker_info))
+            return error
+        return RuntimeError(f"could not unpickle the request: {exc!r}")
 
     def _serve_traced(
         self,
@@ -398,6 +416,18 @@ class Serving:
     def _reply(self, conn: Link, message_id: int, result: Any, state: int | None) -> None:
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         peer = conn.peer
+        if (state is None or extension is None) and choice.picklers is None and is_plain(result):
+            # (lean: a plain result -- no tensor, so nothing to route or record -- is what
+            # encode() would make of it: plain pickle)
+            try:
+                meta = _dumps(result, 5)
+                if len(meta) > self._codec.least_limit:
+                    self._codec.check_bytes(len(meta), peer)
+            except BaseException as exc:
+                self._reply_error(conn, message_id, exc)
+                return
+            self._write(conn, Kind.RESPONSE, message_id, meta)
+            return
         check = self._codec.device_check("Response", peer)
         if state is None or extension is None:
             try:
@@ -455,9 +485,8 @@ class Serving:
 
 
 class _Here(threading.local):
-    """Per thread: where a lingering worker keeps the request it read to run itself."""
+    """Per thread: a worker about to linger on the connection it serves."""
 
-    slot: list[Frame] | None = None
     #: the connection whose read role the reply about to be written takes, and whether it did
     hold: object = None
     held: bool = False

@@ -1,0 +1,159 @@
+"""Unit tests of the lean path of a plain call (issue 28): which calls take it on each side,
+and that what it leaves out changes nothing that can be observed -- the statistics, remote
+errors, the size limits, the allow-list, recording inside a distributed autograd context."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import distgrad.autograd as dist_autograd
+import distgrad.rpc as rpc
+from distgrad._errors import MessageTooLargeError
+from distgrad._rpc._core import _layer
+from distgrad._rpc._core._codec import Codec
+from distgrad._rpc._core._outgoing import Outgoing
+from distgrad._rpc._core._worker_info import WorkerInfo
+from distgrad._testing._world import open_world, world_options
+from distgrad._transport._base import PeerAddress
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def fail() -> None:
+    raise ValueError("no")
+
+
+def in_context(dst: str) -> int:
+    """Calls ``add`` inside a distributed autograd context; the contexts the callee knows."""
+    with dist_autograd.context():
+        rpc.rpc_sync(dst, add, (1, 2))
+    return 0
+
+
+class Paths:
+    """Counts the requests each side's lean path took: the caller's plain sends, the
+    callee's requests whose references were collected (the general path's)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.plain = 0
+        self.collected = 0
+        send_plain = Outgoing._send_plain
+
+        def counting_send(outgoing: Outgoing, *args: Any) -> Any:
+            self.plain += 1
+            return send_plain(outgoing, *args)
+
+        monkeypatch.setattr(Outgoing, "_send_plain", counting_send)
+        references = _layer._references
+        assert references is not None  # (RRefs are plugged in by distgrad.rpc)
+        start = references.start_collecting
+
+        def counting_start() -> object:
+            self.collected += 1
+            return start()
+
+        monkeypatch.setattr(references, "start_collecting", counting_start)
+
+
+@pytest.fixture
+def paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
+    yield Paths(monkeypatch)
+
+
+def test_plain_calls_take_the_lean_path_on_both_sides(paths: Paths) -> None:
+    """``rpc_sync`` and ``rpc_async`` of a function with plain arguments are sent and served
+    on the lean path (no references collected on the callee) with the right results; a
+    tensor argument, or a call inside an autograd context, takes the general path."""
+    with open_world(2) as world:
+        assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3
+        assert world.run_on(0, lambda: rpc.rpc_async("worker1", add, ("a", "b")).wait()) == "ab"
+        assert (paths.plain, paths.collected) == (2, 0)
+        got = world.run_on(0, rpc.rpc_sync, "worker1", add, (torch.ones(2), 1))
+        assert torch.equal(got, torch.full((2,), 2.0))
+        assert (paths.plain, paths.collected) == (2, 1)
+        world.run_on(0, in_context, "worker1")
+        assert paths.plain == 2  # recorded: the general path, which wraps it
+        assert world.agents[1].agent_statistics().layers["autograd_contexts"] >= 1
+
+
+def test_lean_calls_are_counted_exactly(paths: Paths) -> None:
+    """The statistics of lean calls -- sent, failed, bytes each way, per function and
+    outcome, in flight -- are what the general path counts."""
+    with open_world(2) as world:
+        world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))
+        with pytest.raises(ValueError, match="no"):
+            world.run_on(0, rpc.rpc_sync, "worker1", fail)
+        assert paths.plain == 2
+        caller = world.agents[0].agent_statistics()
+        callee = world.agents[1].agent_statistics()
+    to_callee = caller.peers["worker1"]
+    assert (to_callee.calls_sent, to_callee.calls_failed, to_callee.calls_in_flight) == (2, 1, 0)
+    functions = to_callee.functions
+    assert functions[f"{__name__}.add"].outcomes["ok"] == 1
+    assert functions[f"{__name__}.fail"].outcomes["remote"] == 1
+    from_caller = callee.peers["worker0"]
+    assert (from_caller.requests_served, from_caller.requests_failed) == (2, 1)
+    assert from_caller.requests_in_flight == 0
+    assert from_caller.bytes_received == to_callee.bytes_sent > 0
+    assert from_caller.bytes_sent == to_callee.bytes_received > 0
+
+
+def gone() -> None:
+    """Removed from this module once its call is pickled (see below)."""
+
+
+def test_a_plain_request_for_a_missing_function_fails_as_on_the_general_path(
+    paths: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain request whose function the callee cannot find is answered with torch's error
+    about functions defined on both sides, as on the general path."""
+    post = Outgoing._post
+
+    def post_then_forget(outgoing: Outgoing, *args: Any) -> None:
+        if hasattr(sys.modules[__name__], "gone"):  # (the callee will not find it)
+            monkeypatch.delattr(sys.modules[__name__], "gone")
+        post(outgoing, *args)
+
+    monkeypatch.setattr(Outgoing, "_post", post_then_forget)
+    with open_world(2) as world:
+        with pytest.raises(RuntimeError, match="does not serialize"):
+            world.run_on(0, rpc.rpc_sync, "worker1", gone)
+        assert (paths.plain, paths.collected) == (1, 0)  # (both sides' lean paths)
+
+
+def test_the_allow_list_still_refuses_plain_requests() -> None:
+    """With an allow-list, a plain request goes through the guarded general path and a
+    function off the list is refused."""
+    options = world_options()
+    options.allowed_calls = [f"{__name__}.add"]
+    with open_world(2, options=options) as world:
+        assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3
+        with pytest.raises(Exception, match="allow-list"):
+            world.run_on(0, rpc.rpc_sync, "worker1", fail)
+        assert world.agents[1].agent_statistics().peers["worker0"].requests_refused == 1
+
+
+def test_the_codec_asks_about_a_size_only_above_the_lowest_limit() -> None:
+    """``least_limit`` is the lowest of this worker's limit and its peers' (which come with
+    their addresses); ``check_bytes`` refuses what the receiver would, naming it."""
+    options = world_options()
+    options.max_message_size = 1000
+    codec = Codec(options, {1: WorkerInfo("w1", 1)}, lambda rank: f"worker w{rank}")
+    assert codec.least_limit == 1000
+    codec.set_peer_limits({1: PeerAddress("h", 0, None, "h", max_message_size=100)})
+    assert codec.least_limit == 100
+    codec.check_bytes(100, 1)
+    with pytest.raises(MessageTooLargeError, match="maximum message size of worker w1 of 100"):
+        codec.check_bytes(101, 1)
+    codec.check_bytes(1000, 2)  # another peer: this worker's limit
+    with pytest.raises(MessageTooLargeError, match="maximum message size of 1000"):
+        codec.check_bytes(1001, 2)
+    codec.set_peer_limit(1, 5000)  # (above this worker's: not kept)
+    assert codec.least_limit == 1000
