@@ -310,3 +310,26 @@ def test_a_lingering_pool_thread_is_not_busy() -> None:
         go_on.set()
         pool.stop()
     assert seen == [0]
+
+
+def test_a_pool_thread_does_not_linger_while_work_waits() -> None:
+    """While a task waits for a thread (the backlog), a thread done with its own is told so
+    (``waiting``: the worker then does not even take the read role) and may not linger."""
+    pool = ThreadPool("test-pool", 1)
+    release = threading.Event()
+    answers: list[tuple[bool, bool]] = []
+
+    def first() -> None:
+        release.wait(10)
+        answers.append((pool.waiting(), pool.linger_start()))
+
+    try:
+        assert not pool.waiting()
+        pool.submit(first)
+        pool.submit(lambda: None)  # (queued behind the first: the only slot is taken)
+        release.set()
+    finally:
+        release.set()
+        pool.stop()
+    assert answers == [(True, False)]
+    assert pool.waiting()  # (stopped)

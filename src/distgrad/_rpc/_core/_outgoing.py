@@ -237,12 +237,12 @@ class Outgoing:
     def _lean(self, payload: tuple[Any, ...]) -> bool:
         """Whether a user's request takes the lean path (:meth:`_send_plain`, issue 28). Its
         preconditions: nothing to record (no layer records calls, or it keeps ``recording``
-        and no distributed autograd context is current on this thread), no tracing, no transport that wants frames
-        described (fault injection), the default pickler, and a plain payload (``is_plain``:
-        atoms and functions by reference -- no tensor, so no device map applies, and no
-        object that asks to hear of the call's failure). Anything else takes the general
-        path, :meth:`_send`; both register and write the request through :meth:`_post`, and
-        their answers come back the same way."""
+        and no distributed autograd context is current on this thread), no tracing, no
+        transport that wants frames described (fault injection), the default pickler, and a
+        plain payload (``is_plain``: atoms and functions by reference -- no tensor, so no
+        device map applies, and no object that asks to hear of the call's failure). Anything
+        else takes the general path, :meth:`_send`; both register and write the request
+        through :meth:`_post`, and their answers come back the same way."""
         return (
             (_layer._recorder is None or (_layer.recorder_counts and not recording.reasons))
             and not _tracing.active

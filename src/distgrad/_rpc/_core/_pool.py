@@ -135,6 +135,11 @@ class ThreadPool:
         with self._lock:
             self._blocked -= 1
 
+    def waiting(self) -> bool:
+        """Whether work waits for a thread (or the pool stopped): a thread that finished its
+        task will not be let linger (:meth:`linger_start`). A snapshot, without the lock."""
+        return bool(self._backlog or self._after or self._stopped)
+
     def linger_start(self) -> bool:
         """The calling pool thread, its task done, waits a moment for more work of its own
         (the next request on the connection it served): meanwhile it counts neither as busy

@@ -478,9 +478,11 @@ class Serving:
         except DistgradError as exc:
             _log.debug("not sending a response to %s: %s", conn.peer_label, exc)
         here = self._here
-        if here.hold is conn and not here.held:  # a worker about to linger on conn
-            # (taken right after the reply, before the GIL may go to a thread the request
-            # released -- a follower leaving a barrier -- so the reply is out first)
+        if here.hold is conn and not here.held and not self._workers.waiting():
+            # a worker about to linger on conn (unless work waits for it: then it will not,
+            # and taking the role would cost two system calls for nothing). Taken right after
+            # the reply, before the GIL may go to a thread the request released -- a follower
+            # leaving a barrier -- so the reply is out first.
             here.held = conn.hold_read()  # type: ignore[attr-defined]
 
 
