@@ -114,8 +114,12 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
         local = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())
 
         def local_step(x: Any = x, target: Any = target, local: Any = local) -> None:
+            # every layer's parameters, as the distributed step (worker1's layer too: its
+            # gradients are accumulated in the context there)
             loss = torch.nn.functional.cross_entropy(head(local(first(x))), target)
-            torch.autograd.grad(loss, [*first.parameters(), *head.parameters()])
+            torch.autograd.grad(
+                loss, [*first.parameters(), *local.parameters(), *head.parameters()]
+            )
 
         out[f"local{batch}"] = _timed(local_step, cfg["iters"], cfg["warmup"])
     if cfg.get("local_only"):
