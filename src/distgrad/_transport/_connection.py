@@ -761,10 +761,11 @@ class Connection:
     def serve_lingering(self, *, held: bool = False) -> bool:
         """On a worker that served a request from this connection: wait a moment
         (``_LINGER``) for the next frame on this thread, and read what came, handing on its
-        requests here -- the owner may keep one to run on this thread -- so that a peer that
-        calls again at once wakes this worker only, not the I/O thread and then a worker.
-        Any other frame, and everything after it in that read, goes to the I/O thread in
-        order (as if it had read them: handlers meant for the I/O thread run there). Returns
+        requests and notifications here, in order -- the owner may keep a request to run on
+        this thread -- so that a peer that calls again at once wakes this worker only, not the
+        I/O thread and then a worker; after notifications alone it lingers on for the rest of
+        the time. Any other frame (an answer, a goodbye), and everything after it in that
+        read, goes to the I/O thread in order, as if it had read them. Returns
         whether a request was handed on here (so lingering again may pay). A connection
         where lingering keeps finding nothing is not lingered on for a while. ``held``: the
         worker took the role already (:meth:`hold_read`); it is given back either way."""
@@ -787,12 +788,23 @@ class Connection:
             if wait is None:
                 wait = self._wait = select.poll()
                 wait.register(fd, select.POLLIN)
-            if wait.poll(int(_LINGER * 1000)):
+            deadline = time.monotonic() + _LINGER
+            wait_ms = int(_LINGER * 1000)
+            while wait.poll(wait_ms):
                 self._lingering = True
                 before = self._requests_handed
                 while self._read_step() > 0:
                     pass
+                self._lingering = False
                 got = self._requests_handed != before
+                if got or self._pending or self.closed:
+                    break
+                # Only notifications came (handed on here, in order: a context's cleanup
+                # after its last gradient message, typically): linger on for the rest of the
+                # time, for the request that usually follows.
+                wait_ms = int((deadline - time.monotonic()) * 1000)
+                if wait_ms <= 0:
+                    break
         finally:
             self._lingering = False
             if got:
@@ -891,10 +903,12 @@ class Connection:
             if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
                 continue
             if self._lingering:
-                if self._pending or frame.kind != Kind.REQUEST:
+                kind = frame.kind
+                if self._pending or kind not in (Kind.REQUEST, Kind.NOTIFY):
                     self._pending.append(frame)  # (for the I/O thread, in order)
                     continue
-                self._requests_handed += 1
+                if kind == Kind.REQUEST:
+                    self._requests_handed += 1
             if frame.kind == Kind.GOODBYE:
                 self.goodbye_received = True
                 continue

@@ -138,7 +138,12 @@ class Serving:
         elif self._shared.stopped:
             return
         elif getattr(func, "_distgrad_after_current", False):
-            self._workers.submit_after_current(self._run_notification, func, args)
+            if self._here.slot is not None:
+                # read by a worker lingering between two requests: that is "after the current
+                # task", on this thread, with no other thread woken for it
+                self._run_notification(func, args)
+            else:
+                self._workers.submit_after_current(self._run_notification, func, args)
         else:
             self._workers.submit(self._run_notification, func, args)
 
