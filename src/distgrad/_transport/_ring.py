@@ -59,7 +59,6 @@ from collections.abc import Callable
 
 from .._config import ENV_SHM_RING, env_flag
 from .._errors import ProtocolError
-from .._wire._frames import buffer_address
 from ._memory import peer_pid
 
 __all__ = ["RingReader", "RingWriter", "available", "local_peer", "receive_fds"]
@@ -131,12 +130,6 @@ def receive_fds(sock: socket.socket, buf: memoryview, fds: list[int]) -> int:
     return n
 
 
-def _address(region: mmap.mmap) -> tuple[int, ctypes.Array[ctypes.c_char]]:
-    """The address of a mapping, and the object that keeps the mapping exported (alive)."""
-    anchor = (ctypes.c_char * len(region)).from_buffer(region)
-    return ctypes.addressof(anchor), anchor
-
-
 class RingWriter:
     """The sending side: makes the ring, places buffers in it."""
 
@@ -158,9 +151,9 @@ class RingWriter:
         self.size = size
         #: the largest buffer placed here (larger ones go the other ways)
         self.limit = size // 2
-        base, self._anchor = _address(self._map)
-        self._data = base + HEADER_BYTES
-        self._consumed = ctypes.c_uint64.from_address(base)
+        # (views of the mapping keep it mapped while they live: the ring unmaps when dropped)
+        self._view = memoryview(self._map)
+        self._consumed = ctypes.c_uint64.from_buffer(self._map)
         self._head = 0  # where the next buffer may start
         self._tail = 0  # the consumer's counter as last read
         self._faulted = False
@@ -192,7 +185,8 @@ class RingWriter:
             return -1
         if not self._faulted:
             self._fault_in()
-        ctypes.memmove(self._data + position % size, buffer_address(view), n)
+        start = HEADER_BYTES + position % size
+        self._view[start : start + n] = view  # (a memcpy; cheaper than a foreign call here)
         self._head = (end + ALIGN - 1) & ~(ALIGN - 1)
         return position
 
@@ -202,7 +196,9 @@ class RingWriter:
         try:
             self._map.madvise(_MADV_POPULATE_WRITE, HEADER_BYTES, self.size)
         except (OSError, ValueError):  # kernels before 5.14: touch every page
-            ctypes.memset(self._data, 0, self.size)
+            view = self._view
+            for offset in range(HEADER_BYTES, HEADER_BYTES + self.size, 4096):
+                view[offset] = 0
 
 
 class RingReader:
@@ -225,9 +221,8 @@ class RingReader:
             raise ProtocolError("the ring offered is not sealed against shrinking")
         self._map = mmap.mmap(fd, HEADER_BYTES + size)
         self.size = size
-        base, self._anchor = _address(self._map)
-        self._data = base + HEADER_BYTES
-        self._consumed = ctypes.c_uint64.from_address(base)
+        self._view = memoryview(self._map)
+        self._consumed = ctypes.c_uint64.from_buffer(self._map)
         self._tail = 0  # one past the last byte consumed
         self._mapped = False
 
@@ -256,7 +251,8 @@ class RingReader:
                 self._map.madvise(_MADV_POPULATE_READ, HEADER_BYTES, size)
             except (OSError, ValueError):
                 pass
-        ctypes.memmove(buffer_address(into), self._data + start, n)
+        start += HEADER_BYTES
+        into[:] = self._view[start : start + n]
         self._tail = position + n
         if _fence is not None:
             _fence()  # the copy's loads before the counter's store (see the module's docstring)
