@@ -6,7 +6,11 @@ One command runs, for each implementation in its own 2-process group (interleave
   layer, worker1 holds a hidden ``Linear(512, 512) + ReLU``; one step is the local layer, an
   ``rpc_sync`` to the remote layer, the loss, ``dist_autograd.backward`` and
   ``get_gradients``, at batch 32 and 512. The same model run in one process with plain
-  autograd gives the overhead of going distributed.
+  autograd gives the overhead of going distributed -- measured twice: in a fresh process with
+  no RPC ("plain", which the issue's targets are judged against: <= 1.6x at batch 32, <= 1.3x
+  at 512) and in distgrad's worker process ("in worker": its idle threads and its OpenMP
+  throttle, ``distgrad._omp``, present -- a throttled OpenMP team wakes its sleeping threads
+  at every parallel region, which costs small steps up to 2x on 2 cores).
 * **Fan-out**: one intermediate tensor sent ``k`` times (k = 1, 4, 16) to worker1, the results
   summed into the loss, then a distributed backward -- how a pass scales with the number of
   send functions that share a subgraph.
@@ -87,7 +91,7 @@ def _timed(fn: Any, iters: int, warmup: int) -> list[float]:
 def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    dist_autograd = _dist_autograd(rpc)
+    dist_autograd = None if cfg.get("local_only") else _dist_autograd(rpc)
     torch.manual_seed(0)
     first = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())
     head = torch.nn.Linear(HIDDEN, 10)
@@ -97,6 +101,7 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
         target = torch.randint(0, 10, (batch,))
 
         def step(x: Any = x, target: Any = target) -> None:
+            assert dist_autograd is not None
             with dist_autograd.context() as cid:
                 h = first(x)
                 h = rpc.rpc_sync(dst, remote_layer, args=(h,))
@@ -104,18 +109,26 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 dist_autograd.backward(cid, [loss])
                 dist_autograd.get_gradients(cid)
 
-        out[f"mlp{batch}"] = _timed(step, cfg["iters"], cfg["warmup"])
+        if not cfg.get("local_only"):
+            out[f"mlp{batch}"] = _timed(step, cfg["iters"], cfg["warmup"])
         local = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())
 
         def local_step(x: Any = x, target: Any = target, local: Any = local) -> None:
+            # every layer's parameters, as the distributed step (worker1's layer too: its
+            # gradients are accumulated in the context there)
             loss = torch.nn.functional.cross_entropy(head(local(first(x))), target)
-            torch.autograd.grad(loss, [*first.parameters(), *head.parameters()])
+            torch.autograd.grad(
+                loss, [*first.parameters(), *local.parameters(), *head.parameters()]
+            )
 
         out[f"local{batch}"] = _timed(local_step, cfg["iters"], cfg["warmup"])
+    if cfg.get("local_only"):
+        return out
     base = torch.randn(64, HIDDEN, requires_grad=True)
     for k in cfg["fanout"]:
 
         def fan(k: int = k) -> None:
+            assert dist_autograd is not None
             with dist_autograd.context() as cid:
                 h = torch.tanh(base)
                 results = [rpc.rpc_sync(dst, scale, args=(h,)) for _ in range(k)]
@@ -124,6 +137,36 @@ def caller(rpc: ModuleType, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
         out[f"fan{k}"] = _timed(fan, cfg["iters"], cfg["warmup"])
     return out
+
+
+def _plain_local(cfg: dict[str, Any], queue: Any) -> None:
+    """The one-process step in a process with no RPC at all (spawned): what the model costs
+    without distgrad's threads, or its OpenMP throttle (``distgrad._omp``), in the process."""
+    import torch
+
+    queue.put(caller(torch, "", {**cfg, "local_only": True}))
+
+
+def plain_local(cfg: dict[str, Any]) -> dict[str, list[float]]:
+    """Run :func:`_plain_local` in a fresh process; its samples."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_plain_local, args=(cfg, queue))
+    proc.start()
+    try:
+        result: dict[str, list[float]] = queue.get(timeout=600)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return result
+
+
+#: the step's targets against one process, by batch (issue 28)
+ONE_PROCESS_TARGETS = {32: 1.6, 512: 1.3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, dict[str, list[float]]] = {impl: {} for impl in IMPLEMENTATIONS}
     # per round: the median of each group, so drift between rounds cancels in each ratio
     rounds: dict[str, dict[str, list[float]]] = {impl: {} for impl in IMPLEMENTATIONS}
+    plain: dict[str, list[float]] = {}
     for round_no in range(1 if args.quick else args.rounds):
+        for key, values in plain_local(cfg).items():
+            plain.setdefault(key, []).extend(values)
         # ABBA order (torch, distgrad, distgrad, torch, ...), as in rpc_bench.py: interleaved,
         # and linear drift over the run cancels out as well as it can.
         order = IMPLEMENTATIONS if round_no % 2 == 0 else IMPLEMENTATIONS[::-1]
@@ -184,10 +230,29 @@ def main(argv: list[str] | None = None) -> int:
     over = []
     for b in cfg["batches"]:
         local = median(samples["distgrad"][f"local{b}"]) * 1e3
+        alone = median(plain[f"local{b}"]) * 1e3
         dist = summary[f"mlp{b}"]["distgrad_ms"]
         summary[f"local{b}_ms"] = local
-        over.append([f"batch {b}", f"{local:.2f}", f"{dist:.2f}", f"+{dist - local:.2f} ms"])
-    print_table(["one process vs distgrad (ms)", "local", "distributed", "overhead"], over)
+        summary[f"plain_local{b}_ms"] = alone
+        target = ONE_PROCESS_TARGETS.get(b)
+        ratio = dist / alone
+        verdict = "" if target is None else ("PASS" if ratio <= target else "MISS")
+        over.append(
+            [
+                f"batch {b}",
+                f"{alone:.2f}",
+                f"{local:.2f}",
+                f"{dist:.2f}",
+                f"{ratio:.2f}x",
+                f"<= {target}x {verdict}" if target else "",
+            ]
+        )
+    # "plain": the model in a process with no RPC; "in worker": the same local step run in
+    # distgrad's worker process (its threads and OpenMP throttle present, idle)
+    print_table(
+        ["one process vs distgrad (ms)", "plain", "in worker", "distributed", "/ plain", "target"],
+        over,
+    )
     fan1 = summary["fan1"]["distgrad_ms"]
     print()
     print(
@@ -197,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     if args.json:
-        write_json(args.json, {"env": env, "config": cfg, "summary": summary, "samples": samples})
+        samples_all = {**samples, "plain": plain}
+        write_json(
+            args.json, {"env": env, "config": cfg, "summary": summary, "samples": samples_all}
+        )
     return 0
 
 

@@ -34,6 +34,13 @@ ENV_OMP_THROTTLE = "DISTGRAD_OMP_THROTTLE"
 #: Set to "0" to send every tensor through the socket, never by direct memory read
 #: (see ``distgrad._transport._memory``).
 ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
+#: Set to "0" to send mid-size same-host tensors through the Unix socket, never through the
+#: connection's shared-memory ring (see ``distgrad._transport._ring``).
+ENV_SHM_RING = "DISTGRAD_SHM_RING"
+#: Bytes of each same-host connection direction's shared-memory ring (``SHM_RING_SIZE``).
+ENV_SHM_RING_SIZE = "DISTGRAD_SHM_RING_SIZE"
+#: Tensor buffers from this many bytes go through the ring (``SHM_RING_THRESHOLD``).
+ENV_SHM_RING_THRESHOLD = "DISTGRAD_SHM_RING_THRESHOLD"
 #: Set to "0" to stage every CUDA tensor through host memory, also between workers that share
 #: a GPU (which otherwise exchange it by CUDA IPC: ``_devices._cuda``).
 ENV_CUDA_IPC = "DISTGRAD_CUDA_IPC"
@@ -72,6 +79,13 @@ RECV_STAGING_SIZE: int = 256 * 1024
 CROSS_MEMORY_THRESHOLD: int = int(
     os.environ.get("DISTGRAD_CROSS_MEMORY_THRESHOLD", "") or 4 * 1024 * 1024
 )
+#: Each same-host connection direction has a shared-memory ring of this many bytes (a memfd
+#: the sender creates and passes over the Unix socket; its pages are faulted in once, at the
+#: first message that uses it); tensor buffers from ``SHM_RING_THRESHOLD`` bytes up to half the
+#: ring go through it -- one copy in, one copy out, no system call beyond the frame -- unless
+#: they go by direct read (``CROSS_MEMORY_THRESHOLD``). See ``distgrad._transport._ring``.
+SHM_RING_SIZE: int = int(os.environ.get(ENV_SHM_RING_SIZE, "") or 8 * 1024 * 1024)
+SHM_RING_THRESHOLD: int = int(os.environ.get(ENV_SHM_RING_THRESHOLD, "") or 64 * 1024)
 #: CUDA tensors from this size go by CUDA IPC between workers on one GPU; smaller ones are
 #: staged through host memory, which costs less than IPC's fixed cost per tensor (measured on
 #: an H100, 11-28: an IPC echo took ~3 ms whatever its size, a staged one 1.2 ms + 0.8 ms/MiB)

@@ -28,6 +28,8 @@ import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 
 _leave = threading.Event()
+#: set once this worker's ``init_rpc`` returned: its join is complete (committed to the store)
+_joined = threading.Event()
 HERE = Path(__file__).resolve()
 
 
@@ -37,6 +39,19 @@ def leave_now() -> None:
 
 def whoami() -> str:
     return rpc.get_worker_info().name
+
+
+def has_joined() -> bool:
+    return _joined.is_set()
+
+
+def joined(name: str) -> bool:
+    """Whether ``name``'s join is complete: a member is in the others' views (and answers
+    calls) before its ``init_rpc`` has committed the join to the store and returned."""
+    try:
+        return bool(rpc.rpc_sync(name, has_joined, timeout=2))
+    except Exception:
+        return False
 
 
 def slow(seconds: float) -> int:
@@ -52,6 +67,7 @@ def options(port: int) -> rpc.TensorPipeRpcBackendOptions:
 
 def member(name: str, rank: int, port: int) -> None:
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    _joined.set()
     print(f"{name} joined", flush=True)
     _leave.wait(60)
     rpc.shutdown()
@@ -68,6 +84,7 @@ def survivor(name: str, rank: int, port: int) -> None:
     """After the leader dies: calls and autograd between the members still work, and leaving
     without the store returns."""
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    _joined.set()
     wait_for(lambda: "w2" in names(), "w2 to join")
     seen: dict[str, Any] = {}
 
@@ -97,6 +114,9 @@ def leader_dies(port: int) -> None:
     time.sleep(0.5)
     spawn("w2", 2, port)
     wait_for(lambda: len(names()) == 3, "the members to join")
+    # (dying while w2 still commits its join to this worker's store fails that join: the
+    # scenario is the loss of a leader after its members are in)
+    wait_for(lambda: joined("w1") and joined("w2"), "the members' joins to complete")
     os._exit(0)
 
 

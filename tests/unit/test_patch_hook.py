@@ -51,3 +51,28 @@ def test_installed_distgrad_has_the_hook() -> None:
             pytest.fail(f"the installed distgrad ({infos[0].name}) has no {PTH.name}")
         pytest.skip("distgrad was installed before the hook existed: reinstall it")
     assert (purelib / PTH.name).read_text() == PTH.read_text()
+
+
+def test_an_explicit_patch_under_the_variable_warns_nothing() -> None:
+    """``DISTGRAD_PATCH_TORCH=1`` and an explicit ``distgrad.patch_torch()`` before torch is
+    imported: the patch's own import of torch runs the start-up hook's patch inside it, which
+    leaves the work to the call under way (before: a "partially initialized module" warning
+    saying the process runs torch's own RPC, while it was patched)."""
+    import subprocess
+
+    code = (
+        "import distgrad; distgrad.patch_torch(); import torch.distributed.rpc as r; "
+        "assert r.__name__ == 'distgrad.rpc' and distgrad.patched(), r.__name__; print('ok')"
+    )
+    env = {**os.environ, "DISTGRAD_PATCH_TORCH": "1"}
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+    assert "RuntimeWarning" not in result.stderr, result.stderr[-2000:]

@@ -3,8 +3,8 @@
 answer on its own thread (the I/O thread reads nothing meanwhile), hands the role back so that
 the I/O thread reads what comes after, gives up at once when another thread holds the role,
 and returns when the connection is closed under it or its time is up; a worker lingering on
-its connection hands on the next request itself, and leaves every other frame -- and what
-follows it -- to the I/O thread, in order."""
+its connection hands on the next request (and the notifications before it) itself, and
+leaves every other frame -- and what follows it -- to the I/O thread, in order."""
 
 from __future__ import annotations
 
@@ -208,24 +208,27 @@ def test_a_lingering_worker_takes_the_next_request_itself(
     assert pair.owner.frames == [(Kind.REQUEST, 7, "test-worker")]
 
 
-def test_what_is_not_a_request_goes_to_the_io_thread_in_order(
+def test_an_answer_and_what_follows_go_to_the_io_thread_in_order(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A notification read by a lingering worker is handed on by the I/O thread (whose
-    handlers it may be meant for), and so is every frame after it in that read -- a request
-    included -- in order; then the I/O thread reads what comes next."""
+    """Requests and notifications read by a lingering worker are handed on by its own thread,
+    in order; an answer (whose handlers belong to the I/O thread) is handed on by the I/O
+    thread, and so is every frame after it in that read -- a request included -- in order;
+    then the I/O thread reads what comes next."""
     sent = (
         _frame(Kind.REQUEST, 1, b"a"),
         _frame(Kind.NOTIFY, 0, b"n"),
+        _frame(Kind.RESPONSE, 7, b"r"),
         _frame(Kind.REQUEST, 2, b"b"),
     )
     assert _ids(_linger(pair, monkeypatch, *sent)) == [(Kind.REQUEST, 1)]
     deadline = time.monotonic() + 10
-    while len(pair.owner.frames) < 2:
+    while len(pair.owner.frames) < 3:
         assert time.monotonic() < deadline, pair.owner.frames
         time.sleep(0.001)
-    assert pair.owner.frames == [
-        (Kind.NOTIFY, 0, "test-io"),
+    assert pair.owner.frames == [  # (request 1: returned to the worker, not handed on)
+        (Kind.NOTIFY, 0, "test-worker"),
+        (Kind.RESPONSE, 7, "test-io"),
         (Kind.REQUEST, 2, "test-io"),
     ]
     pair.owner.got.clear()
@@ -267,6 +270,35 @@ def test_frames_go_where_the_transport_says(pair: Pair) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert seen == [9] and pair.owner.frames == []
+
+
+def test_a_worker_lingers_on_after_notifications(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Notifications alone do not end lingering (a context's cleanup comes between a peer's
+    last gradient message and its next call): the worker hands them on, in order, and takes
+    the request that comes after them, in a later read, itself."""
+    monkeypatch.setattr(_connection, "_LINGER", 10.0)
+    result: list[Frame | None] = []
+    thread = threading.Thread(
+        target=lambda: result.append(pair.conn.serve_lingering()), name="test-worker"
+    )
+    thread.start()
+    _until_held(pair.conn)
+    pair.peer.sendall(_frame(Kind.NOTIFY, 0, b"n1") + _frame(Kind.NOTIFY, 0, b"n2"))
+    deadline = time.monotonic() + 10
+    while len(pair.owner.frames) < 2:
+        assert time.monotonic() < deadline, pair.owner.frames
+        time.sleep(0.001)
+    assert thread.is_alive(), "lingering ended at the notifications"
+    pair.peer.sendall(_frame(Kind.REQUEST, 3, b"c"))
+    thread.join(15)
+    assert not thread.is_alive(), "serve_lingering did not return"
+    assert _ids(result) == [(Kind.REQUEST, 3)]  # (returned to the worker, not handed on)
+    assert pair.owner.frames == [
+        (Kind.NOTIFY, 0, "test-worker"),
+        (Kind.NOTIFY, 0, "test-worker"),
+    ]
 
 
 def test_lingering_that_finds_nothing_stops(pair: Pair) -> None:

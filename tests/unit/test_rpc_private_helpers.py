@@ -149,3 +149,19 @@ def test_broadcast_to_followers_is_what_the_leader_of_all_gather_sends() -> None
     everyone = {"worker0": 0, "worker1": 10, "worker2": 20}
     assert gathered == [everyone] * 3
     assert sent == [(0, 1, name), (0, 2, name)]
+
+
+def test_the_leader_of_all_gather_returns_when_a_follower_leaves_before_its_answer() -> None:
+    """A follower's handler lets it go before its answer to the broadcast is written, so a
+    follower that leaves at once (``shutdown(graceful=False)`` right after a barrier) can close
+    its connection first: the answer is lost, and the leader still returns the gathered dict
+    (before: the leader's barrier raised the follower's connection loss)."""
+    function = rpc.api._broadcast_to_followers
+    name = f"{function.__module__}.{function.__qualname__}"
+    lost = Fault("break", function=name, src=1)  # worker1's link breaks as it answers
+    with open_world(2, faults=[lost]) as world:
+        gathered = world.run(lambda r: rpc.api._all_gather(r * 10))
+        assert world.faults is not None
+        assert len(world.faults.fired("break")) == 1
+        world.kill(1)  # (the in-memory transport takes a lost link for a dead peer)
+    assert gathered == [{"worker0": 0, "worker1": 10}] * 2

@@ -11,6 +11,8 @@ import sys
 __all__ = ["patch_torch", "patched"]
 
 _lock = _thread.RLock()
+#: a :func:`patch_torch` is running (on the thread holding ``_lock``)
+_busy = False
 
 
 def patch_torch() -> None:
@@ -41,10 +43,20 @@ def patch_torch() -> None:
 
         assert distgrad.patched() and rpc.__name__ == "distgrad.rpc"
     """
+    global _busy
     with _lock:
-        from ._torch import substitute
+        if _busy:
+            # Re-entered on this thread: importing the switch imports torch, whose import
+            # runs the start-up hook's patch (DISTGRAD_PATCH_TORCH) -- the call under way
+            # finishes the patching.
+            return
+        _busy = True
+        try:
+            from ._torch import substitute
 
-        substitute()
+            substitute()
+        finally:
+            _busy = False
 
 
 def patched() -> bool:

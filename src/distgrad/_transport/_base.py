@@ -105,6 +105,8 @@ class TransportStatistics:
     dead_peers: tuple[int, ...]
     #: tensor bytes this worker read straight from peers' memory (same host), not the socket
     bytes_read_directly: int = 0
+    #: tensor bytes this worker took out of peers' shared-memory rings (same host)
+    bytes_through_ring: int = 0
     #: heartbeat ticks that found this process itself had not been running for more than a
     #: heartbeat interval (and so judged no peer's silence)
     stalls: int = 0

@@ -13,12 +13,15 @@ thread holds the connection's read role at a time (``_poller``).
 
 Over a Unix socket, each side offers the other to read large buffers straight from its memory
 (``_memory``); once the peer accepts, buffers of at least ``CROSS_MEMORY_THRESHOLD`` bytes go
-by reference and are kept alive (unchanged) until the peer's ``RELEASE`` for them.
+by reference and are kept alive (unchanged) until the peer's ``RELEASE`` for them; and each
+side passes the other a shared-memory ring (``_ring``) that carries mid-size buffers, from
+``SHM_RING_THRESHOLD`` bytes up to half the ring, copied once in and once out.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import select
 import socket
@@ -30,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from .._config import CROSS_MEMORY_THRESHOLD
+from .._config import CROSS_MEMORY_THRESHOLD, SHM_RING_SIZE, SHM_RING_THRESHOLD
 from .._errors import FrameNotSentError, PeerFailureError, ProtocolError
 from .._wire._frames import (
     FLAG_BY_REFERENCE,
@@ -38,10 +41,12 @@ from .._wire._frames import (
     Frame,
     FrameParser,
     Kind,
+    buffer_address,
     encode_frame,
     encode_frame_by_reference,
+    encode_frame_placed,
 )
-from . import _memory
+from . import _memory, _ring
 from ._base import MessageInfo
 
 if TYPE_CHECKING:
@@ -65,6 +70,8 @@ _READ_SLICE = 0.05
 _LINGER = 0.002
 _LINGER_CREDIT = 3
 _LINGER_RETRY = 32
+#: the smallest buffer that goes through a ring (a slot is never empty)
+_RING_LOW = max(1, SHM_RING_THRESHOLD)
 
 Piece = bytes | memoryview
 _pack_header = HEADER.pack
@@ -132,6 +139,15 @@ class Connection:
         self._pinned: dict[int, list[memoryview]] = {}
         self.bytes_read_directly = 0
         self._parser = FrameParser(max_message_size, read_remote=self._read_remote)
+        # the shared-memory rings (same host): ours, once the peer mapped it (``_ring_out``),
+        # and the peer's, mapped (the parser's ``read_ring``). Until the peer's offer came,
+        # reads take the descriptors passed with the bytes (``_fds``).
+        self._ring_peer = _ring.local_peer(sock)  # (both sides offer: with a ring or without)
+        self._ring_on = self._ring_peer and _ring.available()
+        self._ring_offered: _ring.RingWriter | None = None
+        self._ring_out: _ring.RingWriter | None = None
+        self._ring_pending = self._ring_on
+        self._fds: list[int] = []
         #: the one-shot set the I/O loop watches this socket through (None: the loop watches
         #: the socket itself -- TLS, or no epoll); set by the transport before :meth:`start`
         self.poller: ReadPoller | None = None
@@ -158,6 +174,11 @@ class Connection:
     def _to_owner(self, conn: Connection, frame: Frame) -> None:
         self._owner.on_frame(conn, frame)
 
+    @property
+    def bytes_through_ring(self) -> int:
+        """Tensor bytes taken out of the peer's ring."""
+        return self._parser.bytes_from_ring
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<Connection to {self.peer_label} fd={self._fd} {state}>"
@@ -179,6 +200,8 @@ class Connection:
                 self.send(encode_frame(Kind.MEMORY_OFFER, 0, self._probe.offer()))
             except PeerFailureError:
                 pass
+        if self._ring_peer:
+            self._offer_ring()
 
     def close(self, error: Exception | None = None) -> None:
         """Close now (any thread); ``error`` says why, ``None`` for an orderly close."""
@@ -190,6 +213,7 @@ class Connection:
             self._queue.clear()
             self._later.clear()
             self._pinned.clear()
+            self._ring_out = self._ring_offered = None
         self._io.call_soon(self._close_in_loop, error)
 
     def _mark_closed(self, error: Exception) -> None:
@@ -204,6 +228,7 @@ class Connection:
         self._queue.clear()
         self._later.clear()
         self._pinned.clear()
+        self._ring_out = self._ring_offered = None
         self._io.call_soon(self._drain_and_close, error)
 
     def fail_write(self, error: PeerFailureError) -> None:
@@ -271,6 +296,10 @@ class Connection:
             self._sock.close()
         except OSError:
             pass
+        self._parser.read_ring = None  # (unmapped once no reader uses it)
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
         self._owner.on_closed(self, error)
 
     def _fail(self, error: Exception) -> None:
@@ -290,16 +319,34 @@ class Connection:
         info: MessageInfo | None = None,
     ) -> None:
         """Write one frame; large buffers go by reference where the peer reads our memory --
-        those the kernel lets it read (pinned CUDA host memory may not be: it goes inline).
+        those the kernel lets it read (pinned CUDA host memory may not be: it goes inline) --
+        and mid-size ones through our ring where the peer mapped it.
         (``info`` is for transports that choose frames by meaning; unused here.)"""
-        if not buffers and not flags & FLAG_BY_REFERENCE:  # (encode_frame's simplest case,
-            self.send((_pack_header(kind, flags, 0, len(meta), message_id) + meta,))  # inline)
-            return
+        if not buffers:
+            if not flags & FLAG_BY_REFERENCE:  # (encode_frame's simplest case, inline: on
+                # every small call's path)
+                self.send((_pack_header(kind, flags, 0, len(meta), message_id) + meta,))
+                return
+        elif self._ring_out is not None:
+            for b in buffers:
+                if b.raw().nbytes >= _RING_LOW:
+                    self._send_through_ring(kind, message_id, meta, buffers, flags)
+                    return
         if not (self._by_reference and buffers) or not any(
             b.raw().nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(b.raw()) for b in buffers
         ):
             self.send(encode_frame(kind, message_id, meta, buffers, flags))
             return
+        self._send_by_reference(kind, message_id, meta, buffers, flags)
+
+    def _send_by_reference(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer],
+        flags: int,
+    ) -> None:
         with self._lock:
             transfer = self._transfers
             self._transfers += 1
@@ -320,6 +367,62 @@ class Connection:
         except BaseException:
             with self._lock:
                 self._pinned.pop(transfer, None)
+            raise
+
+    def _send_through_ring(
+        self,
+        kind: int,
+        message_id: int,
+        meta: bytes,
+        buffers: list[pickle.PickleBuffer],
+        flags: int,
+    ) -> None:
+        """:meth:`send_frame` where our ring is in use: buffers of the ring's sizes are copied
+        into it (those it has room for; the rest travel inline), large ones go by reference as
+        usual. The copies and the write happen under the lock, so buffers lie in the ring in
+        the order their frames are written -- the order the peer frees them in."""
+        views = [b.raw() for b in buffers]
+        by_reference = self._by_reference
+        far = [
+            by_reference and v.nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(v)
+            for v in views
+        ]
+        transfer = -1
+        if any(far):
+            with self._lock:
+                transfer = self._transfers
+                self._transfers += 1
+                self._pinned[transfer] = [v for v, f in zip(views, far, strict=True) if f]
+        addresses = (
+            [buffer_address(v) if f else 0 for v, f in zip(views, far, strict=True)]
+            if transfer >= 0
+            else None
+        )
+
+        def place() -> list[Piece]:  # (under the lock)
+            ring = self._ring_out
+            slots = [0] * len(views)
+            if ring is not None:
+                low, high = _RING_LOW, ring.limit
+                try:
+                    for i, view in enumerate(views):
+                        if low <= view.nbytes <= high and not far[i]:
+                            slots[i] = ring.place(view) + 1  # (0: no room: inline)
+                except ProtocolError as exc:
+                    _log.warning("not using the ring to %s any more: %s", self.peer_label, exc)
+                    self._ring_out = None
+            if addresses is not None or any(slots):
+                return encode_frame_placed(
+                    kind, message_id, meta, views, flags, slots, transfer, addresses
+                )
+            return encode_frame(kind, message_id, meta, buffers, flags)
+
+        try:
+            self.send((), place)
+        except BaseException:
+            if transfer >= 0:
+                with self._lock:
+                    self._pinned.pop(transfer, None)
             raise
 
     def send_frame_later(
@@ -352,12 +455,18 @@ class Connection:
         if self._later:
             self.send(())
 
-    def send(self, pieces: Sequence[Piece]) -> None:
-        """Write one frame's pieces, in order with every other frame on this connection."""
+    def send(
+        self, pieces: Sequence[Piece], place: Callable[[], Sequence[Piece]] | None = None
+    ) -> None:
+        """Write one frame's pieces, in order with every other frame on this connection.
+        ``place``: makes the pieces instead, under the lock (the frame names buffers it put in
+        the ring, which must be written in the order they were placed)."""
         with self._lock:
             if self.closed:  # nothing of this frame was written: the peer cannot have it
                 error = self.broken_error()
                 raise FrameNotSentError(str(error), self.peer_label)
+            if place is not None:
+                pieces = place()
             if self._later:
                 pieces = [*pieces, *self._later]
                 self._later.clear()
@@ -492,6 +601,15 @@ class Connection:
                 raise ProtocolError(f"{self.peer_label} accepted an offer that was not made")
             self._by_reference = True
             self._probe = None
+        elif frame.kind == Kind.RING_OFFER:
+            self._on_ring_offer(frame)
+        elif frame.kind == Kind.RING_ACCEPT:
+            with self._lock:
+                offered, self._ring_offered = self._ring_offered, None
+                if offered is None:
+                    raise ProtocolError(f"{self.peer_label} accepted a ring that was not offered")
+                if not self.closed:
+                    self._ring_out = offered
         else:  # RELEASE
             meta = frame.meta
             if len(meta) % 8:
@@ -502,6 +620,78 @@ class Connection:
                 half_close = self._shutdown_after_flush and not self._queue and not self._pinned
             if half_close:
                 self._half_close()
+
+    def _offer_ring(self) -> None:
+        """Offer the peer our ring (I/O thread, at start): the memfd goes with the offer's
+        bytes (``SCM_RIGHTS``). An empty offer says there is none (the peer then stops taking
+        descriptors from its reads)."""
+        writer: _ring.RingWriter | None = None
+        if self._ring_on:
+            try:
+                writer = _ring.RingWriter(SHM_RING_SIZE)
+            except (OSError, ValueError) as exc:
+                _log.debug("no shared-memory ring to %s: %s", self.peer_label, exc)
+        try:
+            if writer is not None:
+                assert writer.fd is not None
+                offer = encode_frame(Kind.RING_OFFER, 0, _ring.OFFER.pack(writer.size))
+                if self._send_fd(offer, writer.fd):
+                    self._ring_offered = writer
+                    return
+            self.send(encode_frame(Kind.RING_OFFER, 0))
+        except PeerFailureError:
+            pass
+        finally:
+            if writer is not None:
+                writer.close_fd()  # (the peer has its own now; the mapping keeps the memory)
+
+    def _send_fd(self, pieces: list[Piece], fd: int) -> bool:
+        """Write one frame with ``fd`` passed along; False (nothing written) when it cannot be
+        written at once as the next bytes on the socket."""
+        with self._lock:
+            if self.closed or self._queue or self._later or self._tls:
+                return False
+            try:
+                written = self._sock.sendmsg(
+                    pieces, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+                )
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                message = f"lost the connection to {self.peer_label} while sending: {exc}"
+                self._mark_closed(PeerFailureError(message, self.peer_label))
+                return False
+            self.last_send = time.monotonic()
+            if written < sum(map(len, pieces)):
+                self._queue.extend(_advance(pieces, written))
+                if not self._writer_armed:
+                    self._writer_armed = True
+                    self._io.call_soon(self._arm_writer)
+            return True
+
+    def _on_ring_offer(self, frame: Frame) -> None:
+        """The peer's ring offer (reading thread): map the ring passed with it and accept, or
+        stay with the socket. Either way, reads stop taking descriptors."""
+        fds, self._fds = self._fds, []
+        pending, self._ring_pending = self._ring_pending, False
+        try:
+            if not pending or not frame.meta or self._parser.read_ring is not None:
+                return  # (not wanted, no ring, or a second offer: ignored)
+            if len(frame.meta) != _ring.OFFER.size or len(fds) != 1:
+                raise ProtocolError(f"malformed ring offer from {self.peer_label}")
+            try:
+                reader = _ring.RingReader(fds[0], _ring.OFFER.unpack(frame.meta)[0])
+            except OSError as exc:
+                _log.debug("cannot map the ring of %s: %s", self.peer_label, exc)
+                return
+            self._parser.read_ring = reader
+            try:
+                self.send(encode_frame(Kind.RING_ACCEPT, 0))
+            except PeerFailureError:
+                pass
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _release(self, transfers: list[int]) -> None:
         try:
@@ -599,9 +789,10 @@ class Connection:
         (``_LINGER``) for the next frame on this thread, and read what came. The first
         request read is returned, not handed on: the worker runs it itself, so that a peer
         that calls again at once wakes this worker only, not the I/O thread and then a
-        worker; further requests are handed on here. Any other frame, and everything after
-        it in that read, goes to the I/O thread in order (as if it had read them: handlers
-        meant for the I/O thread run there). ``None``: no request came. A connection where
+        worker; further requests, and notifications, are handed on here, in order; after
+        notifications alone it lingers on for the rest of the time. Any other frame (an
+        answer, a goodbye), and everything after it in that read, goes to the I/O thread in
+        order, as if it had read them. ``None``: no request came. A connection where
         lingering keeps finding nothing is not lingered on for a while. ``held``: the worker
         took the role already (:meth:`hold_read`); it is given back either way."""
         poller = self.poller
@@ -623,10 +814,21 @@ class Connection:
             if wait is None:
                 wait = self._wait = select.poll()
                 wait.register(fd, select.POLLIN)
-            if wait.poll(int(_LINGER * 1000)):
+            deadline = time.monotonic() + _LINGER
+            wait_ms = int(_LINGER * 1000)
+            while wait.poll(wait_ms):
                 self._lingering = True
                 while self._read_step() > 0:
                     pass
+                self._lingering = False
+                if self._taken is not None or self._pending or self.closed:
+                    break
+                # Only notifications came (handed on here, in order: a context's cleanup
+                # after its last gradient message, typically): linger on for the rest of the
+                # time, for the request that usually follows.
+                wait_ms = int((deadline - time.monotonic()) * 1000)
+                if wait_ms <= 0:
+                    break
         finally:
             self._lingering = False
             taken, self._taken = self._taken, None
@@ -688,7 +890,12 @@ class Connection:
         parser = self._parser
         buf = parser.get_buffer()
         try:
-            n = self._recv_tls(buf) if self._tls else self._sock.recv_into(buf)
+            if self._tls:
+                n = self._recv_tls(buf)
+            elif self._ring_pending:  # (the peer's ring may come with these bytes)
+                n = _ring.receive_fds(self._sock, buf, self._fds)
+            else:
+                n = self._sock.recv_into(buf)
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
             return 0
         except ssl.SSLWantWriteError:
@@ -723,10 +930,11 @@ class Connection:
             if frame.kind == Kind.HEARTBEAT or frame.kind >= Kind.MEMORY_OFFER:
                 continue
             if self._lingering:
-                if self._pending or frame.kind != Kind.REQUEST:
+                kind = frame.kind
+                if self._pending or kind not in (Kind.REQUEST, Kind.NOTIFY):
                     self._pending.append(frame)  # (for the I/O thread, in order)
                     continue
-                if self._taken is None and not self.retired:
+                if kind == Kind.REQUEST and self._taken is None and not self.retired:
                     self._taken = frame  # (the lingering worker runs it itself)
                     continue
             if frame.kind == Kind.GOODBYE:

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 MAGIC = b"DGRD"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: shared-memory rings (frame kinds RING_OFFER, RING_ACCEPT)
 _HELLO = struct.Struct("<4sHHIQ32s")
 _CHALLENGE = struct.Struct("<4sHHIQ32s32s")
 _PROOF_SIZE = 32

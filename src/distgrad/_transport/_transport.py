@@ -109,6 +109,7 @@ class SocketTransport:
         self._closing = False
         self._protocol_errors = 0
         self._bytes_read_directly = 0
+        self._bytes_through_ring = 0
         self.host_id = host_identity()
         #: the one-shot set the loop reads plain connections through, so that a caller can
         #: take a connection's read role without waking the loop (``_poller``)
@@ -273,6 +274,7 @@ class SocketTransport:
     def on_closed(self, conn: Connection, error: Exception | None) -> None:
         if conn in self._conns:
             self._bytes_read_directly += conn.bytes_read_directly
+            self._bytes_through_ring += conn.bytes_through_ring
         self._conns.discard(conn)
         if self._out.get(conn.peer) is conn:
             del self._out[conn.peer]
@@ -383,6 +385,8 @@ class SocketTransport:
             peer_events=self._verdicts.event_counts(),
             bytes_read_directly=self._bytes_read_directly
             + sum(c.bytes_read_directly for c in list(self._conns)),
+            bytes_through_ring=self._bytes_through_ring
+            + sum(c.bytes_through_ring for c in list(self._conns)),
             stalls=self._judge.stalls,
         )
 

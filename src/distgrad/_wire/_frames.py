@@ -5,12 +5,16 @@ A frame is::
     header    16 bytes  <B kind> <B flags> <H nbuffers> <I meta_len> <Q message_id>
     lengths   8 * nbuffers bytes, one little-endian u64 per out-of-band buffer
     refs      only with FLAG_BY_REFERENCE: a u64 transfer id, then one u64 address per buffer
+    slots     only with FLAG_IN_RING: one u64 per buffer, its ring position + 1 (0: not there)
     meta      meta_len bytes: the pickle stream
-    buffers   the out-of-band buffers, back to back (those with an address are not here)
+    buffers   the out-of-band buffers, back to back (those with an address or a slot are not
+              here)
 
 A buffer with a non-zero address stays in the sender's memory; the receiver reads it directly
 (``distgrad._transport._memory``, only between processes that agreed to it) and then sends a
-``RELEASE`` naming the transfer id, after which the sender lets go of the memory.
+``RELEASE`` naming the transfer id, after which the sender lets go of the memory. A buffer with
+a slot lies in the connection's shared-memory ring (``distgrad._transport._ring``): the receiver
+copies it out, which frees its space.
 
 The parser validates every length against the connection's limits *before* it allocates
 anything, and reads large buffers straight into memory that becomes the tensor's storage
@@ -29,7 +33,7 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy
 
@@ -39,6 +43,7 @@ from ._pickler import allocate_buffer
 
 __all__ = [
     "FLAG_BY_REFERENCE",
+    "FLAG_IN_RING",
     "HEADER",
     "MAX_BUFFERS",
     "Frame",
@@ -47,6 +52,7 @@ __all__ = [
     "buffer_address",
     "encode_frame",
     "encode_frame_by_reference",
+    "encode_frame_placed",
 ]
 
 HEADER = struct.Struct("<BBHIQ")
@@ -68,10 +74,15 @@ class Kind(enum.IntEnum):
     MEMORY_OFFER = 7  # "read my probe": u64 address + the bytes found there
     MEMORY_ACCEPT = 8  # "I can read your memory": send large buffers by reference
     RELEASE = 9  # transfer ids (u64 each) whose by-reference buffers were read
+    RING_OFFER = 10  # "read my ring": u64 size, the memfd passed with it (empty: no ring)
+    RING_ACCEPT = 11  # "I mapped your ring": send mid-size buffers through it
 
 
 #: Frame flag (the top bit; the lower ones belong to the pickler): the frame has a refs block.
 FLAG_BY_REFERENCE = 0x80
+#: Frame flag: the frame has a slots block (buffers in the connection's shared-memory ring).
+FLAG_IN_RING = 0x40
+_TRANSPORT_FLAGS = FLAG_BY_REFERENCE | FLAG_IN_RING
 
 
 _KINDS = frozenset(int(k) for k in Kind)
@@ -97,8 +108,8 @@ def encode_frame(
     flags: int = 0,
 ) -> list[bytes | memoryview]:
     """The pieces to write for one frame (header+meta in one piece, buffers as views)."""
-    if flags & FLAG_BY_REFERENCE:
-        raise ValueError("frame flag 0x80 is reserved for the transport")
+    if flags & _TRANSPORT_FLAGS:
+        raise ValueError("frame flags 0x80 and 0x40 are reserved for the transport")
     if not buffers:
         return [HEADER.pack(kind, flags, 0, len(meta), message_id) + meta]
     views = [b.raw() for b in buffers]
@@ -133,6 +144,33 @@ def encode_frame_by_reference(
     return [head + table + meta, *(v for v, away in zip(views, far, strict=True) if not away)], kept
 
 
+def encode_frame_placed(
+    kind: int,
+    message_id: int,
+    meta: bytes,
+    views: list[memoryview],
+    flags: int,
+    slots: list[int],
+    transfer: int = -1,
+    addresses: list[int] | None = None,
+) -> list[bytes | memoryview]:
+    """The pieces for a frame whose buffers with a non-zero slot (ring position + 1) lie in the
+    connection's ring, and -- with ``addresses`` -- those with a non-zero address stay in the
+    sender's memory (``transfer`` names them); the other buffers travel inline."""
+    if len(views) > MAX_BUFFERS:
+        raise ProtocolError(f"a message may carry at most {MAX_BUFFERS} tensors, got {len(views)}")
+    lengths = [v.nbytes for v in views]
+    if addresses is not None:
+        flags |= FLAG_BY_REFERENCE
+        table = struct.pack(f"<{3 * len(views) + 1}Q", *lengths, transfer, *addresses, *slots)
+        inline = [v for v, a, s in zip(views, addresses, slots, strict=True) if not (a or s)]
+    else:
+        table = struct.pack(f"<{2 * len(views)}Q", *lengths, *slots)
+        inline = [v for v, s in zip(views, slots, strict=True) if not s]
+    head = HEADER.pack(kind, flags | FLAG_IN_RING, len(views), len(meta), message_id)
+    return [head + table + meta, *inline]
+
+
 def buffer_address(view: memoryview) -> int:
     """The address of the first byte of a contiguous buffer (read-only ones too)."""
     array: Any = numpy.frombuffer(view, dtype=numpy.uint8)
@@ -143,11 +181,19 @@ def buffer_address(view: memoryview) -> int:
 RemoteReader = Callable[[int, memoryview], None]
 
 
+class RingSource(Protocol):
+    """Copies a buffer out of a connection's ring (``distgrad._transport._ring.RingReader``)."""
+
+    def take(self, position: int, into: memoryview) -> None: ...
+
+
 class FrameParser:
     """Incremental frame parser over a staging buffer, with direct reads for large buffers.
 
     ``read_remote`` fetches buffers a frame left in the sender's memory; without it such a
-    frame is a protocol error.
+    frame is a protocol error. :attr:`read_ring` (set once the connection mapped the peer's
+    ring) copies a buffer out of the ring; a frame naming ring slots before then is a protocol
+    error too.
     """
 
     def __init__(
@@ -162,6 +208,10 @@ class FrameParser:
         self._max = max_message_size
         self._read_remote = read_remote
         self._refs: tuple[int, list[int]] | None = None  # (transfer id, addresses)
+        #: copies the buffer at a ring position into the memory given (None: no ring)
+        self.read_ring: RingSource | None = None
+        self._slots: list[int] | None = None  # the frame's ring positions + 1 (0: not there)
+        self.bytes_from_ring = 0
         self._direct_threshold = direct_threshold
         self._staging = bytearray(staging_size)
         self._view = memoryview(self._staging)
@@ -270,6 +320,7 @@ class FrameParser:
                 )
             self._lengths = lengths
             self._refs = None
+            self._slots = None
         if flags & FLAG_BY_REFERENCE and self._refs is None:
             need = 8 + 8 * nbuf
             if self._available() < need:
@@ -282,6 +333,17 @@ class FrameParser:
                     "did not agree to read"
                 )
             self._refs = (transfer, addresses)
+        if flags & FLAG_IN_RING and self._slots is None:
+            need = 8 * nbuf
+            if self._available() < need:
+                self._ensure_room(need)
+                return None
+            slots = list(struct.unpack(f"<{nbuf}Q", self._take(need)))
+            if self.read_ring is None:
+                raise ProtocolError(
+                    "frame refers to a shared-memory ring, which this connection does not have"
+                )
+            self._slots = slots
         if self._meta is None:
             if meta_len <= self._direct_threshold:
                 if self._available() < meta_len:
@@ -293,9 +355,14 @@ class FrameParser:
                 if self._direct is not None:
                     return None
         while len(self._buffers) < len(self._lengths):
-            n = self._lengths[len(self._buffers)]
-            if self._refs is not None and self._refs[1][len(self._buffers)]:
-                self._buffers.append(self._fetch(self._refs[1][len(self._buffers)], n))
+            i = len(self._buffers)
+            n = self._lengths[i]
+            if self._slots is not None and self._slots[i]:
+                if self._refs is not None and self._refs[1][i]:
+                    raise ProtocolError("a buffer is said to be both in the ring and by reference")
+                self._buffers.append(self._from_ring(self._slots[i] - 1, n))
+            elif self._refs is not None and self._refs[1][i]:
+                self._buffers.append(self._fetch(self._refs[1][i], n))
             elif n < self._direct_threshold:
                 if self._available() < n:
                     self._ensure_room(n)
@@ -309,10 +376,10 @@ class FrameParser:
                     return None
         meta = self._meta
         assert meta is not None
-        frame = Frame(kind, message_id, meta, self._buffers, flags & ~FLAG_BY_REFERENCE)
+        frame = Frame(kind, message_id, meta, self._buffers, flags & ~_TRANSPORT_FLAGS)
         if self._refs is not None:
             frame.transfer = self._refs[0]
-        self._header = self._lengths = self._meta = self._refs = None
+        self._header = self._lengths = self._meta = self._refs = self._slots = None
         self._buffers = []
         return frame
 
@@ -323,6 +390,15 @@ class FrameParser:
             self._read_remote(address, buf)
         except OSError as exc:
             raise ProtocolError(f"could not read a {n}-byte buffer from the sender: {exc}") from exc
+        return buf
+
+    def _from_ring(self, position: int, n: int) -> memoryview:
+        ring = self.read_ring
+        if ring is None:  # (dropped with the connection meanwhile)
+            raise ProtocolError("frame refers to a shared-memory ring that was dropped")
+        buf = allocate_buffer(n)
+        ring.take(position, buf)
+        self.bytes_from_ring += n
         return buf
 
     def _start_direct(self, target: bytearray | memoryview) -> None:

@@ -137,7 +137,12 @@ class Serving:
         elif self._shared.stopped:
             return
         elif getattr(func, "_distgrad_after_current", False):
-            self._workers.submit_after_current(self._run_notification, func, args)
+            if self._here.lingering:
+                # read by a worker lingering between two requests: that is "after the current
+                # task", on this thread, with no other thread woken for it
+                self._run_notification(func, args)
+            else:
+                self._workers.submit_after_current(self._run_notification, func, args)
         else:
             self._workers.submit(self._run_notification, func, args)
 
@@ -184,9 +189,11 @@ class Serving:
                 if held:
                     conn.release_read()  # type: ignore[attr-defined]
                 return
+            here.lingering = True
             try:
                 taken = linger(held=held)  # the next request, read on this thread
             finally:
+                here.lingering = False
                 pool.linger_end()
             if taken is None:
                 return
@@ -487,7 +494,10 @@ class Serving:
 
 
 class _Here(threading.local):
-    """Per thread: a worker about to linger on the connection it serves."""
+    """Per thread: a worker about to linger, or lingering, on the connection it serves."""
+
+    #: it lingers (between two requests: a notification it reads and hands on runs there)
+    lingering: bool = False
 
     #: the connection whose read role the reply about to be written takes, and whether it did
     hold: object = None

@@ -137,8 +137,17 @@ def all_gather(
                 )
                 for info in followers
             ]
-            for future in futures:
-                future.wait()
+            for info, future in zip(followers, futures, strict=True):
+                try:
+                    future.wait()
+                except PeerFailureError as exc:
+                    # The follower arrived (its part is in ``gathered``) and its connection
+                    # broke before its answer came: it may have left as soon as it had the
+                    # result (its handler lets it go before the answer is written: a follower
+                    # that shuts down at once can close first). Nothing the leader returns
+                    # depends on it; a follower that died before it had the result fails on
+                    # its own side.
+                    _log.debug("all_gather %s: no answer from %s: %s", key, info.name, exc)
             return gathered
         leader_info = agent.get_worker_info(leader)
         agent.call_sync(

@@ -1,0 +1,496 @@
+"""Unit tests of the shared-memory ring (``distgrad._transport._ring``) and of connections that
+use it, over real Unix socket pairs in this process: the memfd passed with ``SCM_RIGHTS``,
+buffers placed and taken bit-exact across the ring's end, a full ring sending inline, bounds
+and offers a receiver must refuse (each drops the connection with a clear error), and a
+closed connection's ring dropped with it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from distgrad._errors import ProtocolError
+from distgrad._transport import _connection, _ring
+from distgrad._transport._connection import Connection
+from distgrad._transport._io import IoThread
+from distgrad._wire import _frames
+from distgrad._wire._frames import (
+    FLAG_IN_RING,
+    HEADER,
+    Frame,
+    Kind,
+    encode_frame,
+    encode_frame_placed,
+)
+from tests._needs import needs
+from tests.unit.test_frames import feed
+
+pytestmark = needs(None if _ring.available() else "needs Linux memfd with sealing")
+
+SIZE = 256 * 1024
+
+
+def pattern(n: int, seed: int) -> bytearray:
+    """``n`` bytes that differ from any other (n, seed)'s."""
+    block = (seed.to_bytes(4, "little") + n.to_bytes(4, "little")) * 8 + os.urandom(64)
+    return bytearray((block * (n // len(block) + 1))[:n])
+
+
+def passed(writer: _ring.RingWriter) -> _ring.RingReader:
+    """The reader's side of ``writer``, its memfd passed over a real Unix socket pair."""
+    a, b = socket.socketpair()
+    try:
+        assert writer.fd is not None
+        a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", writer.fd))])
+        fds: list[int] = []
+        assert _ring.receive_fds(b, memoryview(bytearray(8)), fds) == 1
+        assert len(fds) == 1 and fds[0] != writer.fd
+        try:
+            return _ring.RingReader(fds[0], writer.size)
+        finally:
+            os.close(fds[0])
+    finally:
+        writer.close_fd()
+        a.close()
+        b.close()
+
+
+def take(reader: _ring.RingReader, position: int, n: int) -> bytearray:
+    out = bytearray(n)
+    reader.take(position, memoryview(out))
+    return out
+
+
+def test_buffers_go_through_and_wrap_around_the_end_bit_exact() -> None:
+    """Buffers placed one after another come out as they went in, in any size up to the limit;
+    one that does not fit before the end starts at the next lap (never split); the space a
+    taken buffer held is placed again."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    sizes = [100_000, 100_000, 90_000, 128 * 1024, 1, 64 * 1024, 77_777, 128 * 1024] * 5
+    laps = set()
+    for i, n in enumerate(sizes):
+        data = pattern(n, i)
+        position = writer.place(memoryview(data))
+        assert position >= 0, f"buffer {i} found no room in an empty ring"
+        assert position % _ring.ALIGN == 0
+        assert position % SIZE + n <= SIZE  # never split at the end
+        laps.add(position // SIZE)
+        assert take(reader, position, n) == data
+    assert len(laps) > 3  # the test went round the ring
+
+
+def test_a_full_ring_refuses_until_the_receiver_takes() -> None:
+    """With the receiver behind, the sender gets -1 (it sends inline: it never waits); once
+    the receiver took a buffer, its space is free again."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    first, second = pattern(SIZE // 2, 1), pattern(SIZE // 2, 2)
+    p1 = writer.place(memoryview(first))
+    p2 = writer.place(memoryview(second))
+    assert p1 >= 0 and p2 >= 0
+    assert writer.place(memoryview(pattern(64, 3))) == -1
+    assert take(reader, p1, len(first)) == first
+    third = pattern(SIZE // 4, 4)
+    p3 = writer.place(memoryview(third))
+    assert p3 >= 0
+    assert take(reader, p2, len(second)) == second
+    assert take(reader, p3, len(third)) == third
+
+
+@pytest.mark.parametrize(
+    "position, n, why",
+    [
+        (SIZE - 100, 200, "crosses the end"),
+        (0, SIZE + 64, "longer than the ring"),
+        (0, 0, "empty"),
+        (SIZE * 3, 64, "more than a lap ahead"),
+    ],
+)
+def test_a_reference_outside_the_ring_is_a_protocol_error(position: int, n: int, why: str) -> None:
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    with pytest.raises(ProtocolError, match="outside the ring"):
+        reader.take(position, memoryview(bytearray(n)))
+
+
+def test_a_reference_before_what_was_taken_is_a_protocol_error() -> None:
+    """Buffers are taken in order: a position behind the last one taken (a replay, or space
+    the sender may be writing again) is refused."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    data = pattern(1000, 0)
+    position = writer.place(memoryview(data))
+    assert take(reader, position, 1000) == data
+    with pytest.raises(ProtocolError, match="outside the ring"):
+        reader.take(position, memoryview(bytearray(1000)))
+
+
+def test_the_sender_does_not_trust_an_impossible_counter() -> None:
+    """A receiver's counter ahead of what was placed (or behind what it said before) stops
+    the sender with a protocol error rather than overwriting what was not read."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    writer.place(memoryview(pattern(1000, 0)))
+    reader._consumed.value = 10 * SIZE  # (the peer writes garbage)
+    with pytest.raises(ProtocolError, match="counter"):
+        writer.place(memoryview(pattern(1000, 1)))
+
+
+def test_a_receiver_refuses_a_ring_it_cannot_safely_map() -> None:
+    """Not sealed against shrinking (the sender could truncate it under the reader), another
+    size than announced, or too small: refused before anything is mapped."""
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, _ring.HEADER_BYTES + SIZE)
+        with pytest.raises(ProtocolError, match="sealed"):
+            _ring.RingReader(fd, SIZE)
+    finally:
+        os.close(fd)
+    writer = _ring.RingWriter(SIZE)
+    assert writer.fd is not None
+    with pytest.raises(ProtocolError, match="announced size"):
+        _ring.RingReader(writer.fd, SIZE * 2)
+    writer.close_fd()
+    fd = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, _ring.HEADER_BYTES + 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        with pytest.raises(ProtocolError, match="unacceptable size"):
+            _ring.RingReader(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def test_the_environment_turns_rings_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = socket.socketpair()
+    try:
+        assert not _ring.local_peer(a)  # our own process at the other end
+        monkeypatch.setenv("DISTGRAD_SHM_RING", "0")
+        assert not _ring.available()
+    finally:
+        a.close()
+        b.close()
+
+
+# -- connections ---------------------------------------------------------------------------------
+@dataclass
+class Owner:
+    """Records frames; ``hold`` (when set) blocks the reading thread at the first frame until
+    released, so that the sender gets ahead of the receiver."""
+
+    frames: list[Frame] = field(default_factory=list)
+    got: threading.Condition = field(default_factory=threading.Condition)
+    closed: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+    hold: threading.Event | None = None
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        if self.hold is not None:
+            self.hold.wait(10)
+            self.hold = None
+        with self.got:
+            self.frames.append(frame)
+            self.got.notify_all()
+
+    def on_closed(self, conn: Connection, error: Exception | None) -> None:
+        self.error = error
+        self.closed.set()
+
+    def wait_for(self, count: int) -> list[Frame]:
+        with self.got:
+            assert self.got.wait_for(lambda: len(self.frames) >= count, 10), self.frames
+            return list(self.frames)
+
+
+@dataclass
+class Side:
+    conn: Connection
+    owner: Owner
+    io: IoThread
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@pytest.fixture
+def rings_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rings between two connections of this process (normally only to another process)."""
+    monkeypatch.setattr(_ring, "local_peer", lambda sock: sock.family == socket.AF_UNIX)
+    monkeypatch.setattr(_connection, "SHM_RING_SIZE", SIZE)
+
+
+def _connect(sock: socket.socket, peer: int) -> Side:
+    sock.setblocking(False)
+    io = IoThread(name=f"test-io-{peer}")
+    io.start()
+    owner = Owner()
+    conn = Connection(owner, io, sock, peer, f"worker w{peer} (rank {peer})", 1 << 30)
+    io.call_soon(conn.start)
+    return Side(conn, owner, io)
+
+
+@pytest.fixture
+def pair(rings_here: None) -> Iterator[tuple[Side, Side]]:
+    a, b = socket.socketpair()
+    left, right = _connect(a, 1), _connect(b, 0)
+    try:
+        yield left, right
+    finally:
+        for side in (left, right):
+            side.conn.close()
+            side.io.stop()
+        a.close()
+        b.close()
+
+
+def _send(side: Side, data: list[bytearray], message_id: int) -> None:
+    side.conn.send_frame(Kind.REQUEST, message_id, b"meta", [pickle.PickleBuffer(d) for d in data])
+
+
+def test_connections_pass_rings_both_ways_and_buffers_arrive_bit_exact(
+    pair: tuple[Side, Side],
+) -> None:
+    """Each side maps the other's ring; buffers from the threshold up to half the ring go
+    through it (counted), smaller and larger ones inline, mixed in one frame, all exact."""
+    left, right = pair
+    assert _wait(lambda: left.conn._ring_out is not None and right.conn._ring_out is not None)
+    sizes = [64 * 1024, 100, 100_000, SIZE // 2 + 1, 70_000]
+    data = [pattern(n, i) for i, n in enumerate(sizes)]
+    _send(left, data, 7)
+    _send(right, data[::-1], 8)
+    (got,) = right.owner.wait_for(1)
+    assert got.message_id == 7 and got.meta == b"meta"
+    assert [bytes(b) for b in got.buffers] == [bytes(d) for d in data]
+    assert not got.flags & FLAG_IN_RING  # (the transport's flag is not the decoder's)
+    (back,) = left.owner.wait_for(1)
+    assert [bytes(b) for b in back.buffers] == [bytes(d) for d in data[::-1]]
+    through = 64 * 1024 + 100_000 + 70_000
+    assert right.conn.bytes_through_ring == through
+    assert left.conn.bytes_through_ring == through
+
+
+def test_a_full_ring_sends_inline_and_order_is_kept(pair: tuple[Side, Side]) -> None:
+    """The receiver stalls at the first frame (it holds the ring's space): the sender does not
+    wait -- what does not fit goes inline -- and every frame arrives, in order, exact."""
+    left, right = pair
+    assert _wait(lambda: left.conn._ring_out is not None)
+    right.owner.hold = hold = threading.Event()
+    messages = [[pattern(100_000, i)] for i in range(12)]
+    for i, data in enumerate(messages):
+        _send(left, data, i)  # never blocks on the ring
+    hold.set()
+    frames = right.owner.wait_for(len(messages))
+    assert [f.message_id for f in frames] == list(range(len(messages)))
+    for frame, data in zip(frames, messages, strict=True):
+        assert bytes(frame.buffers[0]) == bytes(data[0])
+    through = right.conn.bytes_through_ring
+    assert 0 < through < 100_000 * len(messages)  # some went inline
+
+
+def test_a_closed_connection_drops_its_rings(pair: tuple[Side, Side]) -> None:
+    left, right = pair
+    assert _wait(lambda: left.conn._ring_out is not None and right.conn._ring_out is not None)
+    left.conn.close()
+    assert left.owner.closed.wait(5)
+    assert left.conn._ring_out is None and left.conn._parser.read_ring is None
+    assert right.owner.closed.wait(5)  # the peer's EOF
+    assert right.conn._parser.read_ring is None
+
+
+def test_a_side_with_rings_off_says_so_and_buffers_go_inline(
+    rings_here: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DISTGRAD_SHM_RING=0 on one side: it offers no ring and maps none (the other side's
+    offer is left unanswered), the other side stops taking descriptors at its empty offer, and
+    everything goes through the socket, exact."""
+    a, b = socket.socketpair()
+    monkeypatch.setenv("DISTGRAD_SHM_RING", "0")
+    left = _connect(a, 1)
+    monkeypatch.delenv("DISTGRAD_SHM_RING")
+    right = _connect(b, 0)
+    try:
+        assert not left.conn._ring_pending
+        assert _wait(lambda: not right.conn._ring_pending)
+        data = [pattern(100_000, 1)]
+        _send(left, data, 1)
+        _send(right, data, 2)
+        assert bytes(right.owner.wait_for(1)[0].buffers[0]) == bytes(data[0])
+        assert bytes(left.owner.wait_for(1)[0].buffers[0]) == bytes(data[0])
+        assert left.conn._ring_out is None and right.conn._ring_out is None
+        assert left.conn.bytes_through_ring == right.conn.bytes_through_ring == 0
+    finally:
+        for side in (left, right):
+            side.conn.close()
+            side.io.stop()
+        a.close()
+        b.close()
+
+
+# -- a raw peer that misbehaves --------------------------------------------------------------------
+@pytest.fixture
+def raw(rings_here: None) -> Iterator[tuple[Side, socket.socket]]:
+    a, b = socket.socketpair()
+    b.settimeout(5.0)
+    side = _connect(a, 1)
+    try:
+        yield side, b
+    finally:
+        side.conn.close()
+        side.io.stop()
+        a.close()
+        b.close()
+
+
+def _offer(peer: socket.socket, fd: int, size: int) -> None:
+    offer = encode_frame(Kind.RING_OFFER, 0, _ring.OFFER.pack(size))
+    peer.sendmsg(offer, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+
+
+def _read_kinds(peer: socket.socket, want: int) -> list[int]:
+    """The kinds of the frames the connection sent, until one of kind ``want`` came."""
+    kinds: list[int] = []
+    while want not in kinds:
+        head = peer.recv(HEADER.size, socket.MSG_WAITALL)
+        kind, _flags, nbuf, meta_len, _id = HEADER.unpack(head)
+        assert nbuf == 0
+        if meta_len:
+            peer.recv(meta_len, socket.MSG_WAITALL)
+        kinds.append(kind)
+    return kinds
+
+
+def _ring_frame(position: int, n: int) -> list[bytes | memoryview]:
+    view = memoryview(bytearray(n))
+    return encode_frame_placed(Kind.REQUEST, 1, b"m", [view], 0, [position + 1])
+
+
+def test_a_reference_outside_the_ring_drops_the_connection(
+    raw: tuple[Side, socket.socket],
+) -> None:
+    side, peer = raw
+    writer = _ring.RingWriter(SIZE)
+    assert writer.fd is not None
+    _offer(peer, writer.fd, SIZE)
+    writer.close_fd()
+    assert Kind.RING_ACCEPT in _read_kinds(peer, Kind.RING_ACCEPT)
+    peer.sendall(b"".join(bytes(p) for p in _ring_frame(SIZE - 10, 100)))
+    assert side.owner.closed.wait(5)
+    assert isinstance(side.owner.error, ProtocolError)
+    assert "outside the ring" in str(side.owner.error)
+    assert side.owner.frames == []
+
+
+def test_a_ring_reference_without_a_ring_drops_the_connection(
+    raw: tuple[Side, socket.socket],
+) -> None:
+    side, peer = raw
+    peer.sendall(b"".join(bytes(p) for p in encode_frame(Kind.RING_OFFER, 0)))  # (none)
+    peer.sendall(b"".join(bytes(p) for p in _ring_frame(0, 100)))
+    assert side.owner.closed.wait(5)
+    assert isinstance(side.owner.error, ProtocolError)
+    assert "does not have" in str(side.owner.error)
+
+
+def test_an_unsealed_ring_is_refused_and_drops_the_connection(
+    raw: tuple[Side, socket.socket],
+) -> None:
+    side, peer = raw
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, _ring.HEADER_BYTES + SIZE)
+        _offer(peer, fd, SIZE)
+    finally:
+        os.close(fd)
+    assert side.owner.closed.wait(5)
+    assert isinstance(side.owner.error, ProtocolError)
+    assert "sealed" in str(side.owner.error)
+
+
+def test_an_offer_without_its_descriptor_drops_the_connection(
+    raw: tuple[Side, socket.socket],
+) -> None:
+    side, peer = raw
+    peer.sendall(
+        b"".join(bytes(p) for p in encode_frame(Kind.RING_OFFER, 0, _ring.OFFER.pack(SIZE)))
+    )
+    assert side.owner.closed.wait(5)
+    assert isinstance(side.owner.error, ProtocolError)
+    assert "malformed ring offer" in str(side.owner.error)
+
+
+def test_an_accept_for_a_ring_not_offered_drops_the_connection(
+    raw: tuple[Side, socket.socket],
+) -> None:
+    side, peer = raw
+    kinds = _read_kinds(peer, Kind.RING_OFFER)  # the connection offered its ring...
+    assert kinds[-1] == Kind.RING_OFFER
+    peer.sendall(b"".join(bytes(p) for p in encode_frame(Kind.RING_ACCEPT, 0)))
+    peer.sendall(b"".join(bytes(p) for p in encode_frame(Kind.RING_ACCEPT, 0)))  # ...once
+    assert side.owner.closed.wait(5)
+    assert isinstance(side.owner.error, ProtocolError)
+    assert "not offered" in str(side.owner.error)
+
+
+# -- the frame parser's side -----------------------------------------------------------------------
+@dataclass
+class FakeRing:
+    """A ring's reading side that records what it was asked for."""
+
+    taken: list[tuple[int, int]] = field(default_factory=list)
+
+    def take(self, position: int, into: memoryview) -> None:
+        self.taken.append((position, into.nbytes))
+        into[:] = bytes([position % 251]) * into.nbytes
+
+
+def test_the_parser_takes_ring_buffers_in_place_and_the_rest_inline() -> None:
+    """A frame mixing ring slots and inline buffers, read a few bytes at a time: the ring ones
+    are taken at their positions, in order; the others come from the stream."""
+    inline = [pattern(10, 1), pattern(70_000, 2)]
+    views = [memoryview(bytearray(300)), memoryview(inline[0]), memoryview(bytearray(5000))]
+    views.append(memoryview(inline[1]))
+    pieces = encode_frame_placed(Kind.RESPONSE, 9, b"pickle", views, 1, [65, 0, 129, 0])
+    stream = b"".join(bytes(p) for p in pieces)
+    parser = _frames.FrameParser(1 << 30)
+    ring = FakeRing()
+    parser.read_ring = ring
+    (frame,) = feed(parser, stream, [7, 1, 100, 3])
+    assert ring.taken == [(64, 300), (128, 5000)]
+    assert frame.flags == 1 and frame.meta == b"pickle" and frame.message_id == 9
+    assert bytes(frame.buffers[0]) == bytes([64]) * 300
+    assert bytes(frame.buffers[1]) == bytes(inline[0])
+    assert bytes(frame.buffers[2]) == bytes([128]) * 5000
+    assert bytes(frame.buffers[3]) == bytes(inline[1])
+    assert parser.bytes_from_ring == 5300
+
+
+def test_the_parser_refuses_ring_slots_without_a_ring_and_a_slot_also_by_reference() -> None:
+    views = [memoryview(bytearray(300))]
+    stream = b"".join(bytes(p) for p in encode_frame_placed(Kind.REQUEST, 1, b"", views, 0, [1]))
+    with pytest.raises(ProtocolError, match="does not have"):
+        _feed_all(_frames.FrameParser(1 << 30), stream)
+    both = encode_frame_placed(Kind.REQUEST, 1, b"", views, 0, [1], 5, [4096])
+    parser = _frames.FrameParser(1 << 30, read_remote=lambda address, into: None)
+    parser.read_ring = FakeRing()
+    with pytest.raises(ProtocolError, match="both"):
+        _feed_all(parser, b"".join(bytes(p) for p in both))
+
+
+def _feed_all(parser: _frames.FrameParser, stream: bytes) -> list[Frame]:
+    return feed(parser, stream)
