@@ -124,3 +124,21 @@ def test_calls_inserted_while_a_peer_fails_all_end_failed() -> None:
             world.kill(1)
     finally:
         _release.set()
+
+
+def test_a_call_added_with_a_deadline_is_in_the_wheel_at_once() -> None:
+    """``add(call, deadline)`` registers and arms in one step (an ``rpc_async`` call's
+    timeout): the first starts the idle wheel, the call expires after its deadline, and one
+    taken out before is out of the wheel too."""
+    table = CallTable()
+    link = _FakeLink()
+    now = time.monotonic()
+    first = _Call(table.next_id(), link, 1.0, torch.futures.Future(), internal=False)  # type: ignore[arg-type]
+    second = _Call(table.next_id(), link, 1.0, torch.futures.Future(), internal=False)  # type: ignore[arg-type]
+    assert table.add(first, now + 1.0)  # the wheel was idle: start it
+    assert not table.add(second, now + 1.0)  # it runs already
+    assert first.slot and second.slot
+    assert table.pop(second.cid) is second and second.slot == 0
+    assert table.expire(now + 0.5) == ([], True)  # not yet
+    assert table.expire(now + 5.0) == ([first], False)  # expired; nothing left to tick for
+    assert len(table) == 0

@@ -55,9 +55,13 @@ class CallTable:
         with self._lock:
             return iter(list(self._calls))
 
-    def add(self, call: _Call) -> None:
+    def add(self, call: _Call, deadline: float = 0.0) -> bool:
+        """Put ``call`` in the table; with a ``deadline`` (monotonic seconds; 0: none) in the
+        timeout wheel too, at once (as :meth:`arm`). True if the wheel was idle: the caller
+        must start it."""
         with self._lock:
             self._calls[call.cid] = call
+            return self._slot(call, deadline) if deadline else False
 
     def sent(self, call: _Call) -> None:
         """The sender is done writing ``call``'s request (from now on a loss of its link fails
@@ -102,14 +106,17 @@ class CallTable:
         """Put ``call`` (if still waiting) in the slot of ``deadline`` (monotonic seconds).
         True if the wheel was idle: the caller must start it (call :meth:`expire` each tick
         until it says stop)."""
-        slot = int(deadline / TICK) + 1
         with self._lock:
             if call.cid not in self._calls:
                 return False
-            call.slot = slot
-            self._wheel.setdefault(slot, set()).add(call.cid)
-            start = not self._ticking
-            self._ticking = True
+            return self._slot(call, deadline)
+
+    def _slot(self, call: _Call, deadline: float) -> bool:  # (with the lock held)
+        slot = int(deadline / TICK) + 1
+        call.slot = slot
+        self._wheel.setdefault(slot, set()).add(call.cid)
+        start = not self._ticking
+        self._ticking = True
         return start
 
     def expire(self, now: float, *, stopping: bool = False) -> tuple[list[_Call], bool]:

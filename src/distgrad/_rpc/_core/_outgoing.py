@@ -276,7 +276,11 @@ class Outgoing:
         if not call.internal:
             with self._active_lock:
                 self._active += 1
-        calls.add(call)
+        deadline = 0.0  # rpc_async and internal calls time out in the wheel (rpc_sync: its lock)
+        if call.lock is None and call.timeout > 0:
+            deadline = time.monotonic() + call.timeout
+        if calls.add(call, deadline):
+            self._io.call_soon(self._tick)
         self._stats.sent(dst.id, size)
         conn = call.conn
         if call.lock is not None:  # rpc_sync: its caller will read the answer itself
@@ -293,7 +297,8 @@ class Outgoing:
                 if calls.pop(cid) is None:  # the agent stopped meanwhile
                     raise PeerFailureError(str(exc), exc.peer) from exc
                 conn = self._resend(call, dst, exc)
-                calls.add(call)
+                if calls.add(call, deadline):
+                    self._io.call_soon(self._tick)
                 conn.send_frame(Kind.REQUEST, cid, meta, buffers, flags, info=info)
         except FrameNotSentError as exc:
             _let_go(call)
@@ -442,15 +447,12 @@ class Outgoing:
         payload = (func, args, kwargs)
         try:
             if not internal and self._lean(payload):
-                call = self._send_plain(dst, payload, timeout, future)
+                self._send_plain(dst, payload, timeout, future)
             else:
-                call = self._send(dst, payload, timeout, future, internal=internal, force=force)
+                self._send(dst, payload, timeout, future, internal=internal, force=force)
         except InjectedFailureError as exc:  # as torch's faulty agent: a failed future
             set_future_error(future, exc)
-            return future
-        if call.timeout > 0:
-            self._arm_timeout(call)
-        return future
+        return future  # (its timeout, if any, runs in the wheel: armed with its registration)
 
     def _device_future(self) -> RpcFuture:
         """The future of a call whose result may hold CUDA tensors: torch's device-aware
@@ -476,7 +478,7 @@ class Outgoing:
         sent at all. ``device_map`` routes its tensors instead of this worker's map to ``dst``
         (a gradient message: the inverse of the map its forward call came with)."""
         info = self._lookup(dst)
-        call = self._send(
+        self._send(  # (its timeout, if any, runs in the wheel: armed with its registration)
             info,
             (func, args, {}),
             timeout,
@@ -486,8 +488,6 @@ class Outgoing:
             callback=on_done,
             device_map=device_map,
         )
-        if call.timeout > 0:
-            self._arm_timeout(call)
 
     # -- complete or fail ------------------------------------------------------------------------
     def on_answer(self, frame: Frame) -> None:
@@ -625,10 +625,6 @@ class Outgoing:
             time.sleep(0.002)
 
     # -- timeouts of rpc_async and internal calls (I/O thread) -----------------------------------
-    def _arm_timeout(self, call: _Call) -> None:
-        if self.calls.arm(call, time.monotonic() + call.timeout):
-            self._io.call_soon(self._tick)
-
     def _tick(self) -> None:
         expired, more = self.calls.expire(time.monotonic(), stopping=self._shared.stopped)
         for call in expired:
