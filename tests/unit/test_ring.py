@@ -342,6 +342,44 @@ def test_a_side_with_rings_off_says_so_and_buffers_go_inline(
         b.close()
 
 
+def test_a_side_that_cannot_make_a_ring_offers_none(
+    rings_here: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No memfd to be had (``RingWriter`` fails, as at a descriptor limit): the side sends an
+    empty offer, the peer stops taking descriptors, and what it sends still goes through the
+    peer's ring the other way."""
+
+    def refuse(size: int) -> _ring.RingWriter:
+        raise OSError(24, "Too many open files")
+
+    a, b = socket.socketpair()
+    real = _ring.RingWriter
+    monkeypatch.setattr(_ring, "RingWriter", refuse)
+    left = _connect(a, 1)
+    left.io.call_soon(lambda: monkeypatch.setattr(_ring, "RingWriter", real))
+    try:
+        assert _wait(lambda: _ring.RingWriter is real)
+        right = _connect(b, 0)
+        try:
+            assert _wait(lambda: not right.conn._ring_pending and right.conn._ring_out is not None)
+            assert left.conn._ring_out is None
+            data = [pattern(100_000, 1)]
+            _send(right, data, 1)
+            _send(left, data, 2)
+            assert bytes(left.owner.wait_for(1)[0].buffers[0]) == bytes(data[0])
+            assert bytes(right.owner.wait_for(1)[0].buffers[0]) == bytes(data[0])
+            assert left.conn.bytes_through_ring == 100_000  # (right's ring)
+            assert right.conn.bytes_through_ring == 0
+        finally:
+            right.conn.close()
+            right.io.stop()
+    finally:
+        left.conn.close()
+        left.io.stop()
+        a.close()
+        b.close()
+
+
 # -- a raw peer that misbehaves --------------------------------------------------------------------
 @pytest.fixture
 def raw(rings_here: None) -> Iterator[tuple[Side, socket.socket]]:
