@@ -107,6 +107,33 @@ def test_a_full_ring_refuses_until_the_receiver_takes() -> None:
     assert take(reader, p3, len(third)) == third
 
 
+def test_rings_count_against_the_process_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process makes rings while they add up to at most ``SHM_RING_BUDGET``; past it making
+    one fails (its connection offers none), and a ring dropped with its connection gives its
+    bytes back."""
+    import gc
+
+    from distgrad import _config
+
+    size = _ring.MIN_SIZE
+    before = _ring.budget_used()
+    monkeypatch.setattr(_config, "SHM_RING_BUDGET", before + 2 * size)
+    first, second = _ring.RingWriter(size), _ring.RingWriter(size)
+    assert _ring.budget_used() == before + 2 * size
+    with pytest.raises(ValueError, match="DISTGRAD_SHM_RING_BUDGET"):
+        _ring.RingWriter(size)
+    assert _ring.budget_used() == before + 2 * size  # (a refused ring takes nothing)
+    for writer in (first, second):
+        writer.close_fd()
+    del first, writer
+    gc.collect()
+    assert _ring.budget_used() == before + size
+    third = _ring.RingWriter(size)  # room again
+    assert _ring.budget_used() == before + 2 * size
+    second.close_fd()
+    third.close_fd()
+
+
 @pytest.mark.parametrize(
     "position, n, why",
     [
