@@ -41,6 +41,8 @@ ENV_SHM_RING = "DISTGRAD_SHM_RING"
 ENV_SHM_RING_SIZE = "DISTGRAD_SHM_RING_SIZE"
 #: Tensor buffers from this many bytes go through the ring (``SHM_RING_THRESHOLD``).
 ENV_SHM_RING_THRESHOLD = "DISTGRAD_SHM_RING_THRESHOLD"
+#: Bytes of rings one process may hold for what it sends (``SHM_RING_BUDGET``).
+ENV_SHM_RING_BUDGET = "DISTGRAD_SHM_RING_BUDGET"
 #: Set to "0" to stage every CUDA tensor through host memory, also between workers that share
 #: a GPU (which otherwise exchange it by CUDA IPC: ``_devices._cuda``).
 ENV_CUDA_IPC = "DISTGRAD_CUDA_IPC"
@@ -86,6 +88,10 @@ CROSS_MEMORY_THRESHOLD: int = int(
 #: they go by direct read (``CROSS_MEMORY_THRESHOLD``). See ``distgrad._transport._ring``.
 SHM_RING_SIZE: int = int(os.environ.get(ENV_SHM_RING_SIZE, "") or 8 * 1024 * 1024)
 SHM_RING_THRESHOLD: int = int(os.environ.get(ENV_SHM_RING_THRESHOLD, "") or 64 * 1024)
+#: A process makes rings for its connections while they add up to at most this many bytes (32
+#: rings of the default size: a worker with more same-host peers sends to the others through
+#: the socket), so that a host full of workers cannot tie up N x (N - 1) rings of memory.
+SHM_RING_BUDGET: int = int(os.environ.get(ENV_SHM_RING_BUDGET, "") or 256 * 1024 * 1024)
 #: CUDA tensors from this size go by CUDA IPC between workers on one GPU; smaller ones are
 #: staged through host memory, which costs less than IPC's fixed cost per tensor (measured on
 #: an H100, 11-28: an IPC echo took ~3 ms whatever its size, a staged one 1.2 ms + 0.8 ms/MiB)

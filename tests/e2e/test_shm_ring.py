@@ -61,13 +61,13 @@ def echo_program(rank: int, world_size: int) -> dict[str, Any] | str:
     return {"exact": exact, "worker0": after[0] - before[0], "worker1": after[1] - before[1]}
 
 
-@pytest.mark.parametrize("ring", ["on", "off"])
+@pytest.mark.parametrize("ring", ["on", "off", "tcp"])
 def test_mid_size_tensors_echo_bit_exact_through_the_ring(ring: str) -> None:
     """64 KiB, 256 KiB, 1 MiB and 4 MiB tensors of several dtypes, every dtype in one message,
     and 24 in flight at once, echoed between two workers on one host, come back bit-exact:
-    through the rings (both workers took bytes out of them), and with DISTGRAD_SHM_RING=0
-    through the socket (none)."""
-    env = {"DISTGRAD_SHM_RING": "0"} if ring == "off" else {}
+    through the rings (both workers took bytes out of them); with DISTGRAD_SHM_RING=0, and
+    over TCP (DISTGRAD_UNIX_SOCKETS=0: no ring is offered there), through the socket (none)."""
+    env = {"off": {"DISTGRAD_SHM_RING": "0"}, "tcp": {"DISTGRAD_UNIX_SOCKETS": "0"}}.get(ring, {})
     results = run_workers(echo_program, 2, timeout=90, env=env)
     assert results[1] == "served"
     out = results[0]

@@ -107,6 +107,33 @@ def test_a_full_ring_refuses_until_the_receiver_takes() -> None:
     assert take(reader, p3, len(third)) == third
 
 
+def test_rings_count_against_the_process_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process makes rings while they add up to at most ``SHM_RING_BUDGET``; past it making
+    one fails (its connection offers none), and a ring dropped with its connection gives its
+    bytes back."""
+    import gc
+
+    from distgrad import _config
+
+    size = _ring.MIN_SIZE
+    before = _ring.budget_used()
+    monkeypatch.setattr(_config, "SHM_RING_BUDGET", before + 2 * size)
+    first, second = _ring.RingWriter(size), _ring.RingWriter(size)
+    assert _ring.budget_used() == before + 2 * size
+    with pytest.raises(ValueError, match="DISTGRAD_SHM_RING_BUDGET"):
+        _ring.RingWriter(size)
+    assert _ring.budget_used() == before + 2 * size  # (a refused ring takes nothing)
+    for writer in (first, second):
+        writer.close_fd()
+    del first, writer
+    gc.collect()
+    assert _ring.budget_used() == before + size
+    third = _ring.RingWriter(size)  # room again
+    assert _ring.budget_used() == before + 2 * size
+    second.close_fd()
+    third.close_fd()
+
+
 @pytest.mark.parametrize(
     "position, n, why",
     [
@@ -338,6 +365,44 @@ def test_a_side_with_rings_off_says_so_and_buffers_go_inline(
         for side in (left, right):
             side.conn.close()
             side.io.stop()
+        a.close()
+        b.close()
+
+
+def test_a_side_that_cannot_make_a_ring_offers_none(
+    rings_here: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No memfd to be had (``RingWriter`` fails, as at a descriptor limit): the side sends an
+    empty offer, the peer stops taking descriptors, and what it sends still goes through the
+    peer's ring the other way."""
+
+    def refuse(size: int) -> _ring.RingWriter:
+        raise OSError(24, "Too many open files")
+
+    a, b = socket.socketpair()
+    real = _ring.RingWriter
+    monkeypatch.setattr(_ring, "RingWriter", refuse)
+    left = _connect(a, 1)
+    left.io.call_soon(lambda: monkeypatch.setattr(_ring, "RingWriter", real))
+    try:
+        assert _wait(lambda: _ring.RingWriter is real)
+        right = _connect(b, 0)
+        try:
+            assert _wait(lambda: not right.conn._ring_pending and right.conn._ring_out is not None)
+            assert left.conn._ring_out is None
+            data = [pattern(100_000, 1)]
+            _send(right, data, 1)
+            _send(left, data, 2)
+            assert bytes(left.owner.wait_for(1)[0].buffers[0]) == bytes(data[0])
+            assert bytes(right.owner.wait_for(1)[0].buffers[0]) == bytes(data[0])
+            assert left.conn.bytes_through_ring == 100_000  # (right's ring)
+            assert right.conn.bytes_through_ring == 0
+        finally:
+            right.conn.close()
+            right.io.stop()
+    finally:
+        left.conn.close()
+        left.io.stop()
         a.close()
         b.close()
 

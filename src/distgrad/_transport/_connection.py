@@ -628,7 +628,7 @@ class Connection:
         writer: _ring.RingWriter | None = None
         if self._ring_on:
             try:
-                writer = _ring.RingWriter(SHM_RING_SIZE)
+                writer = _ring.RingWriter(-(-SHM_RING_SIZE // 4096) * 4096)  # (whole pages)
             except (OSError, ValueError) as exc:
                 _log.debug("no shared-memory ring to %s: %s", self.peer_label, exc)
         try:

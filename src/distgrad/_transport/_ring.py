@@ -55,13 +55,16 @@ import ssl
 import stat
 import struct
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 
+from .. import _config
 from .._config import ENV_SHM_RING, env_flag
 from .._errors import ProtocolError
 from ._memory import peer_pid
 
-__all__ = ["RingReader", "RingWriter", "available", "local_peer", "receive_fds"]
+__all__ = ["RingReader", "RingWriter", "available", "budget_used", "local_peer", "receive_fds"]
 
 #: header bytes before the data (the consumer's counter at offset 0; page-aligned data)
 HEADER_BYTES = 4096
@@ -130,13 +133,48 @@ def receive_fds(sock: socket.socket, buf: memoryview, fds: list[int]) -> int:
     return n
 
 
+_budget_lock = threading.Lock()
+#: bytes of the rings this process's senders hold now (against ``SHM_RING_BUDGET``)
+_budget_used = 0
+
+
+def _reserve(size: int) -> None:
+    """Count a new ring against the process's budget; ``ValueError`` when it is spent."""
+    global _budget_used
+    with _budget_lock:
+        if _budget_used + size > _config.SHM_RING_BUDGET:
+            raise ValueError(
+                f"this process's rings hold {_budget_used} bytes already, and another of {size} "
+                f"would pass {_config.ENV_SHM_RING_BUDGET}={_config.SHM_RING_BUDGET}"
+            )
+        _budget_used += size
+
+
+def _give_back(size: int) -> None:
+    global _budget_used
+    with _budget_lock:
+        _budget_used -= size
+
+
+def budget_used() -> int:
+    """Bytes of rings this process's senders hold now."""
+    return _budget_used
+
+
 class RingWriter:
-    """The sending side: makes the ring, places buffers in it."""
+    """The sending side: makes the ring, places buffers in it. Each ring counts against the
+    process's ``SHM_RING_BUDGET`` while it lives: past it, making one raises ``ValueError``
+    (the connection then offers none)."""
 
     def __init__(self, size: int) -> None:
         if size < MIN_SIZE or size > MAX_SIZE or size % ALIGN:
             raise ValueError(f"a ring holds {MIN_SIZE}..{MAX_SIZE} bytes, a multiple of {ALIGN}")
-        fd = os.memfd_create("distgrad-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        _reserve(size)
+        try:
+            fd = os.memfd_create("distgrad-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except BaseException:
+            _give_back(size)
+            raise
         try:
             os.ftruncate(fd, HEADER_BYTES + size)
             fcntl.fcntl(
@@ -145,7 +183,9 @@ class RingWriter:
             self._map = mmap.mmap(fd, HEADER_BYTES + size)
         except BaseException:
             os.close(fd)
+            _give_back(size)
             raise
+        weakref.finalize(self, _give_back, size)  # (dropped with its connection)
         #: the memfd, to pass to the peer (then closed: the mapping keeps the memory)
         self.fd: int | None = fd
         self.size = size
