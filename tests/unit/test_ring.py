@@ -512,6 +512,28 @@ def test_an_accept_for_a_ring_not_offered_drops_the_connection(
     assert "not offered" in str(side.owner.error)
 
 
+def test_a_second_ring_offer_is_ignored_and_the_first_ring_kept(
+    raw: tuple[Side, socket.socket],
+) -> None:
+    """A peer that offers a ring twice (a duplicated frame, or a confused peer): the second
+    offer is ignored -- its descriptor closed, nothing remapped -- and buffers placed in the
+    first ring still arrive, bit-exact; the connection stays up."""
+    side, peer = raw
+    first, second = _ring.RingWriter(SIZE), _ring.RingWriter(SIZE)
+    for writer in (first, second):
+        assert writer.fd is not None
+        _offer(peer, writer.fd, SIZE)
+        writer.close_fd()
+    assert Kind.RING_ACCEPT in _read_kinds(peer, Kind.RING_ACCEPT)
+    data = pattern(100_000, 7)
+    position = first.place(memoryview(data))
+    assert position >= 0
+    peer.sendall(b"".join(bytes(p) for p in _ring_frame(position, len(data))))
+    got = side.owner.wait_for(1)
+    assert bytes(got[0].buffers[0]) == bytes(data)
+    assert not side.owner.closed.is_set()
+
+
 # -- the frame parser's side -----------------------------------------------------------------------
 @dataclass
 class FakeRing:
