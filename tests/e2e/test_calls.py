@@ -175,3 +175,55 @@ def wait_all_on_error(rank: int, world_size: int) -> str:
 def test_wait_all_waits_even_when_the_block_raises() -> None:
     """Like torch's, ``_wait_all`` waits for the block's futures also when the block raises."""
     assert run_workers(wait_all_on_error, 2, timeout=60) == {0: "ok", 1: "served"}
+
+
+# -- each call runs once, whichever thread reads it ---------------------------------------------
+_bumps = [0]
+_bumps_lock = threading.Lock()
+
+
+def bump(n: int) -> int:
+    with _bumps_lock:
+        _bumps[0] += 1
+    return n
+
+
+def bumps() -> int:
+    with _bumps_lock:
+        return _bumps[0]
+
+
+def calls_run_once(rank: int, world_size: int) -> tuple[int, int]:
+    """Lean calls (sync, async in bursts), general-path calls (a tensor argument, inside an
+    autograd context whose cleanup reaches a lingering worker between two calls) and calls
+    after pauses longer than lingering, to one worker; how many it ran, how many were sent."""
+    import distgrad.autograd as dist_autograd
+
+    if rank != 0:
+        return (0, 0)
+    sent = 0
+    for i in range(200):
+        rpc.rpc_sync("worker1", bump, (i,))
+        sent += 1
+        if i % 10 == 0:
+            futures = [rpc.rpc_async("worker1", bump, (j,)) for j in range(20)]
+            torch.futures.wait_all(futures)
+            sent += 20
+        if i % 7 == 0:
+            with dist_autograd.context():
+                rpc.rpc_sync("worker1", bump, (torch.ones(2, requires_grad=True),))
+            sent += 1
+        if i % 50 == 0:
+            time.sleep(0.01)  # (past the 2 ms a worker lingers)
+    return (rpc.rpc_sync("worker1", bumps), sent)
+
+
+def test_each_call_runs_once_whichever_thread_reads_it() -> None:
+    """The function of every request runs exactly once on the callee -- whether the request
+    was read by the I/O thread, a caller reading its own answer, or a worker lingering on the
+    connection (which also hands on the context cleanups it reads) -- on the lean path and the
+    general one: the count of runs equals the count of calls (torch runs each once)."""
+    results = run_workers(calls_run_once, 2)
+    ran, sent = results[0]
+    assert sent == 200 + 20 * 20 + 29
+    assert ran == sent
