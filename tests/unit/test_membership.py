@@ -82,6 +82,9 @@ def test_a_member_that_leaves_is_named_as_departed_and_may_rejoin() -> None:
         with pytest.raises(PeerFailureError, match=r"worker2 \(rank 2\) has left the RPC group"):
             world.run_on(0, rpc.rpc_sync, info, whoami)
         assert time.monotonic() - started < 5.0  # at once, not after the 10 s rpc_timeout
+        # by rank too (what a backward pass's gradient message to it looks its peer up by)
+        with pytest.raises(RuntimeError, match=r"worker2 \(rank 2\) has left the RPC group"):
+            world.run_on(0, rpc.get_worker_info, 2)
         assert world.run_on(0, rpc.rpc_sync, "worker1", whoami) == "worker1"
         world.join(2)
         assert world.agents[2].incarnation != old

@@ -434,9 +434,11 @@ class RpcAgent:
             return info
         info = self._by_rank.get(to)
         if info is None:
+            left = next((i for i in list(self.departed.values()) if i.id == to), None)
             raise RuntimeError(
                 f"name:{self.worker_info.name},rank:{self.worker_info.id} "
                 f"could not find destination id {to}"
+                + (f" (worker {left.name} (rank {to}) has left the RPC group)" if left else "")
             )
         return info
 
