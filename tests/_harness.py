@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Died", "WorkerFailure", "child_pids", "free_port", "run_workers"]
+__all__ = ["Died", "WorkerFailure", "child_pids", "free_port", "run_workers", "stop_process"]
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src"
@@ -84,6 +84,27 @@ def child_pids() -> list[tuple[int, str]]:
         if ppid == me and "resource_tracker" not in cmdline and "forkserver" not in cmdline:
             found.append((int(entry), cmdline))
     return found
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` returns before
+    that: the thread that takes the signal stops the others, and one that is running (or just
+    woke with data, as a worker waiting in ``recv`` does) can serve a request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # (a thread that ended)
+                continue
+        if all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped after {timeout} s: {states}")
+        time.sleep(0.001)
 
 
 def _send(conn: Connection, message: tuple[str, Any]) -> None:

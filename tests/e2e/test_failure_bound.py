@@ -18,7 +18,7 @@ import torch
 
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
-from tests._harness import run_workers
+from tests._harness import run_workers, stop_process
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,23 +39,12 @@ def mul2(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-def _wait_stopped(pid: int) -> None:
-    """Until the kernel shows ``pid`` stopped (SIGSTOP takes effect asynchronously)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.001)
-
-
 def _frozen_call(target: int, in_context: bool) -> float:
     """Stop worker1, call it (in a context or not), resume it; seconds from the stop until the
     error reached this code."""
     x = torch.ones(2, requires_grad=True)
-    os.kill(target, signal.SIGSTOP)
     stopped = time.monotonic()
-    _wait_stopped(target)
+    stop_process(target)
     waking = threading.Timer(FREEZE, os.kill, (target, signal.SIGCONT))
     waking.start()
     took = -1.0

@@ -18,7 +18,7 @@ import torch
 from prometheus_client import parser  # (the test extra has it)
 
 import distgrad.rpc as rpc
-from tests._harness import run_workers
+from tests._harness import run_workers, stop_process
 from tests._needs import command, needs
 
 CALLS = 20
@@ -69,7 +69,7 @@ def scraped_job(rank: int, world_size: int) -> dict[str, Any]:
             top._Client(None, 5.0, False, None), [addresses["worker0"]]
         )
         frozen = rpc.rpc_sync("worker2", pid)
-        os.kill(frozen, signal.SIGSTOP)
+        stop_process(frozen)  # (every thread stopped: none serves the call below)
         try:
             try:
                 rpc.rpc_sync("worker2", double, (tensor,), timeout=0.5)
