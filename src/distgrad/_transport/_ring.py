@@ -122,10 +122,10 @@ def local_peer(sock: socket.socket) -> bool:
     return peer_pid(sock) is not None
 
 
-def receive_fds(sock: socket.socket, buf: memoryview, fds: list[int]) -> int:
+def receive_fds(sock: socket.socket, buf: memoryview, fds: list[int], flags: int = 0) -> int:
     """``recv_into`` that also takes the descriptors passed with the bytes (``SCM_RIGHTS``) and
     appends them to ``fds`` (a plain ``recv_into`` would make the kernel close them)."""
-    n, ancillary, _flags, _address = sock.recvmsg_into([buf], _FD_SPACE)
+    n, ancillary, _flags, _address = sock.recvmsg_into([buf], _FD_SPACE, flags)
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             count = len(data) // 4
