@@ -133,6 +133,51 @@ def test_the_role_goes_back_to_the_loop(pair: Pair) -> None:
     assert pair.owner.frames[-1][2] == "test-io"
 
 
+def test_an_answer_in_pieces_is_waited_for_in_recv(pair: Pair) -> None:
+    """The caller blocks in ``recv`` itself: an answer that comes in two pieces (the first
+    ending mid-frame) is read piece by piece on the caller's thread until it is whole."""
+    result: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: result.append(pair.conn.read_until(pair.owner.answered, 10.0)),
+        name="test-caller",
+    )
+    thread.start()
+    _until_held(pair.conn)
+    frame = _frame(Kind.RESPONSE, 9, b"a" * 5000)
+    pair.peer.sendall(frame[:100])
+    time.sleep(0.03)  # (the caller has read the first piece and waits again)
+    assert not result
+    pair.peer.sendall(frame[100:])
+    thread.join(10)
+    assert result == [True]
+    assert [f[:2] for f in pair.owner.frames] == [(Kind.RESPONSE, 9)]
+    assert pair.owner.frames[0][2] == "test-caller"
+
+
+def test_no_write_and_no_read_of_the_loop_waits(pair: Pair) -> None:
+    """A plain socket stays in blocking mode (for the read role's holder to wait in
+    ``recv``), so every other read and write is made non-blocking by its flags: a frame the
+    peer does not take yet is queued (the sender returns at once) and written when the peer
+    reads; the I/O thread reads what is there and is free for its next task."""
+    assert pair.conn._sock.getblocking()  # (the premise)
+    big = _frame(Kind.REQUEST, 1, b"x" * (8 << 20))  # (more than the socket buffers hold)
+    sender = threading.Thread(target=pair.conn.send, args=([big],), name="test-sender")
+    sender.start()
+    sender.join(5)
+    assert not sender.is_alive(), "a write the peer did not take blocked the sender"
+    pair.peer.sendall(_frame(Kind.NOTIFY, 0, b"hello"))
+    assert pair.owner.got.wait(10)
+    free = threading.Event()
+    pair.io.call_soon(free.set)
+    assert free.wait(5), "the I/O thread is stuck in a read"
+    received = bytearray()
+    while len(received) < len(big):
+        chunk = pair.peer.recv(1 << 20)
+        assert chunk, "the connection ended before the queued frame was written"
+        received += chunk
+    assert bytes(received) == big
+
+
 def test_a_held_role_is_not_taken(pair: Pair) -> None:
     """While another thread holds the read role, a caller does not read: it returns False at
     once (and waits for its answer to be handed over)."""
