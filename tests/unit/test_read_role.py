@@ -54,9 +54,18 @@ class Pair:
     io: IoThread
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    a, b = socket.socketpair()
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    return a, b
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A connection over a Unix socket pair (its read role's holder waits in ``recv``) or over
+    TCP on loopback (the holder waits in ``poll``), and the raw peer socket."""
+    a, b = socket.socketpair() if request.param == "unix" else _tcp_pair()
     a.setblocking(False)
     b.settimeout(5.0)
     io = IoThread(name="test-io")
@@ -133,9 +142,10 @@ def test_the_role_goes_back_to_the_loop(pair: Pair) -> None:
     assert pair.owner.frames[-1][2] == "test-io"
 
 
-def test_an_answer_in_pieces_is_waited_for_in_recv(pair: Pair) -> None:
-    """The caller blocks in ``recv`` itself: an answer that comes in two pieces (the first
-    ending mid-frame) is read piece by piece on the caller's thread until it is whole."""
+def test_an_answer_in_pieces_is_waited_for_on_the_callers_thread(pair: Pair) -> None:
+    """The caller waits itself (in ``recv`` on a Unix socket, in ``poll`` over TCP): an answer
+    that comes in two pieces (the first ending mid-frame) is read piece by piece on the
+    caller's thread until it is whole."""
     result: list[bool] = []
     thread = threading.Thread(
         target=lambda: result.append(pair.conn.read_until(pair.owner.answered, 10.0)),
@@ -155,11 +165,12 @@ def test_an_answer_in_pieces_is_waited_for_in_recv(pair: Pair) -> None:
 
 
 def test_no_write_and_no_read_of_the_loop_waits(pair: Pair) -> None:
-    """A plain socket stays in blocking mode (for the read role's holder to wait in
-    ``recv``), so every other read and write is made non-blocking by its flags: a frame the
+    """A Unix socket stays in blocking mode (for the read role's holder to wait in ``recv``),
+    so every other read and write is made non-blocking by its flags: a frame the
     peer does not take yet is queued (the sender returns at once) and written when the peer
     reads; the I/O thread reads what is there and is free for its next task."""
-    assert pair.conn._sock.getblocking()  # (the premise)
+    unix = pair.conn._sock.family == socket.AF_UNIX
+    assert pair.conn._sock.getblocking() == unix  # (the premise: a Unix socket blocks)
     big = _frame(Kind.REQUEST, 1, b"x" * (8 << 20))  # (more than the socket buffers hold)
     sender = threading.Thread(target=pair.conn.send, args=([big],), name="test-sender")
     sender.start()
