@@ -140,7 +140,7 @@ class Connection:
         # Unix socket is blocking at the descriptor, for the read role's holder to wait in recv
         # (see the module's docstring); any other socket stays non-blocking.
         self._dontwait = 0 if self._tls else _DONTWAIT
-        self._waits_in_recv = bool(_DONTWAIT) and sock.family == socket.AF_UNIX
+        self._waits_in_recv = bool(_DONTWAIT) and not self._tls and sock.family == socket.AF_UNIX
         self._read_timeout = 0.0  # (SO_RCVTIMEO as last set)
         self._wait: select.poll | None = None  # (a TCP holder's poll object, kept)
         if self._waits_in_recv:
