@@ -512,6 +512,49 @@ def test_an_accept_for_a_ring_not_offered_drops_the_connection(
     assert "not offered" in str(side.owner.error)
 
 
+def test_an_acceptance_read_at_once_by_another_thread_finds_the_ring_offered(
+    rings_here: None,
+) -> None:
+    """The ring counts as offered before its offer leaves: a thread that holds the read role
+    (a caller waiting in ``recv``) can read the peer's acceptance before the I/O thread that
+    wrote the offer runs on. (It was marked after the write, and such an acceptance dropped the
+    connection as "accepted a ring that was not offered": test_failure_bound in a CI run.)"""
+    a, peer = socket.socketpair()
+    peer.settimeout(5.0)
+    io = IoThread(name="test-io-1")
+    io.start()
+    conn = Connection(Owner(), io, a, 1, "worker w1 (rank 1)", 1 << 30)
+    send_fd = conn._send_fd
+
+    def read_now(conn: Connection) -> None:  # (what a caller holding the read role does)
+        deadline = time.monotonic() + 5
+        while conn._ring_out is None and not conn.closed and time.monotonic() < deadline:
+            conn._read_step()
+            time.sleep(0.002)
+
+    def send_fd_then_race(pieces: list[bytes | memoryview], fd: int) -> bool:
+        sent = send_fd(pieces, fd)
+        if sent:  # the peer accepts at once, and another thread reads it before we go on
+            assert _read_kinds(peer, Kind.RING_OFFER)[-1] == Kind.RING_OFFER
+            peer.sendall(b"".join(bytes(p) for p in encode_frame(Kind.RING_ACCEPT, 0)))
+            reader = threading.Thread(target=read_now, args=(conn,), name="test-caller")
+            reader.start()
+            reader.join(10)
+        return sent
+
+    conn._send_fd = send_fd_then_race  # type: ignore[method-assign]
+    try:
+        io.call_soon(conn.start)
+        assert _wait(lambda: conn._ring_out is not None or conn.closed)
+        assert not conn.closed, conn.close_error
+        assert conn._ring_out is not None
+    finally:
+        conn.close()
+        io.stop()
+        a.close()
+        peer.close()
+
+
 def test_a_second_ring_offer_is_ignored_and_the_first_ring_kept(
     raw: tuple[Side, socket.socket],
 ) -> None:

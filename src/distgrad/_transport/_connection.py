@@ -654,9 +654,12 @@ class Connection:
             if writer is not None:
                 assert writer.fd is not None
                 offer = encode_frame(Kind.RING_OFFER, 0, _ring.OFFER.pack(writer.size))
+                # Offered before the offer leaves: the acceptance may be read at once, by a
+                # thread that holds the read role, before this one runs on.
+                self._ring_offered = writer
                 if self._send_fd(offer, writer.fd):
-                    self._ring_offered = writer
                     return
+                self._ring_offered = None
             self.send(encode_frame(Kind.RING_OFFER, 0))
         except PeerFailureError:
             pass
