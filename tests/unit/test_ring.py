@@ -262,13 +262,14 @@ def rings_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_connection, "SHM_RING_SIZE", SIZE)
 
 
-def _connect(sock: socket.socket, peer: int) -> Side:
+def _connect(sock: socket.socket, peer: int, *, start: bool = True) -> Side:
     sock.setblocking(False)
     io = IoThread(name=f"test-io-{peer}")
     io.start()
     owner = Owner()
     conn = Connection(owner, io, sock, peer, f"worker w{peer} (rank {peer})", 1 << 30)
-    io.call_soon(conn.start)
+    if start:
+        io.call_soon(conn.start)
     return Side(conn, owner, io)
 
 
@@ -521,9 +522,8 @@ def test_an_acceptance_read_at_once_by_another_thread_finds_the_ring_offered(
     connection as "accepted a ring that was not offered": test_failure_bound in a CI run.)"""
     a, peer = socket.socketpair()
     peer.settimeout(5.0)
-    io = IoThread(name="test-io-1")
-    io.start()
-    conn = Connection(Owner(), io, a, 1, "worker w1 (rank 1)", 1 << 30)
+    side = _connect(a, 1, start=False)
+    conn = side.conn
     send_fd = conn._send_fd
 
     def read_now(conn: Connection) -> None:  # (what a caller holding the read role does)
@@ -544,13 +544,13 @@ def test_an_acceptance_read_at_once_by_another_thread_finds_the_ring_offered(
 
     conn._send_fd = send_fd_then_race  # type: ignore[method-assign]
     try:
-        io.call_soon(conn.start)
+        side.io.call_soon(conn.start)
         assert _wait(lambda: conn._ring_out is not None or conn.closed)
         assert not conn.closed, conn.close_error
         assert conn._ring_out is not None
     finally:
         conn.close()
-        io.stop()
+        side.io.stop()
         a.close()
         peer.close()
 

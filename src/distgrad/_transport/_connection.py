@@ -784,13 +784,14 @@ class Connection:
             while not lock.acquire(blocking=False):
                 if self.closed:
                     return False
-                if deadline is None:
-                    got = self._read_waiting(_READ_SLICE)
-                else:
+                wait = _READ_SLICE
+                if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
-                    got = self._read_waiting(min(_READ_SLICE, left))
+                    wait = min(wait, left)
+                # (inline, not through a helper: this is on every rpc_sync's path)
+                got = self._read_step(wait) if self._waits_in_recv else self._poll_then_read(wait)
                 if got > 0:
                     while self._read_step() > 0:
                         pass
@@ -833,7 +834,8 @@ class Connection:
             left = _LINGER
             while True:
                 self._lingering = True
-                if self._read_waiting(left) > 0:
+                got = self._read_step(left) if self._waits_in_recv else self._poll_then_read(left)
+                if got > 0:
                     while self._read_step() > 0:
                         pass
                 self._lingering = False
@@ -900,13 +902,9 @@ class Connection:
         if self._tls and not self.closed and self._sock.pending():  # type: ignore[attr-defined]
             self._io.loop.call_soon(self._on_readable)
 
-    def _read_waiting(self, seconds: float) -> int:
-        """The read role's holder: wait at most ``seconds`` for data, then read as
-        :meth:`_read_step` (0: nothing came in time). A Unix socket's holder waits in ``recv``
-        (the kernel rounds ``seconds`` up to its clock tick), another's in ``poll``."""
-        if self._waits_in_recv:
-            self._wait_at_most(seconds)
-            return self._read_step(wait=True)
+    def _poll_then_read(self, seconds: float) -> int:
+        """The read role's holder on a socket that does not wait in ``recv`` (TCP): wait at
+        most ``seconds`` in ``poll``, then read as :meth:`_read_step` (0: nothing came)."""
         wait = self._wait
         if wait is None:
             wait = self._wait = select.poll()
@@ -915,27 +913,32 @@ class Connection:
             return 0
         return self._read_step()
 
-    def _wait_at_most(self, seconds: float) -> None:
-        """Bound the next waiting read (:meth:`_read_step` with ``wait``) to ``seconds``."""
-        if seconds != self._read_timeout:
-            self._read_timeout = seconds
-            whole = int(seconds)
-            micro = int((seconds - whole) * 1e6) or (0 if whole else 1)  # (0 would be forever)
-            try:
-                self._sock.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(whole, micro)
-                )
-            except OSError:  # (closed meanwhile: the read says so)
-                pass
+    def _set_read_timeout(self, seconds: float) -> None:
+        """``SO_RCVTIMEO``: a waiting read returns after ``seconds`` (the kernel rounds it up
+        to its clock tick)."""
+        self._read_timeout = seconds
+        whole = int(seconds)
+        micro = int((seconds - whole) * 1e6) or (0 if whole else 1)  # (0 would be forever)
+        try:
+            self._sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(whole, micro)
+            )
+        except OSError:  # (closed meanwhile: the read says so)
+            pass
 
-    def _read_step(self, *, wait: bool = False) -> int:
+    def _read_step(self, wait: float = 0.0) -> int:
         """One read, and the frames it completes handed on; returns the bytes read, 0 when
-        there is nothing more to read now, -1 when the connection ended. ``wait``: block in
-        the read until something comes or the time of :meth:`_wait_at_most` passed (only the
-        read role's holder, on a socket that ``_waits_in_recv``)."""
+        there is nothing more to read now, -1 when the connection ended. ``wait`` > 0: block
+        in the read until something comes, at most ``wait`` seconds (only the read role's
+        holder, on a socket that ``_waits_in_recv``)."""
         parser = self._parser
         buf = parser.get_buffer()
-        flags = 0 if wait else self._dontwait
+        if wait:
+            if wait != self._read_timeout:
+                self._set_read_timeout(wait)
+            flags = 0
+        else:
+            flags = self._dontwait
         try:
             if self._tls:
                 n = self._recv_tls(buf)
