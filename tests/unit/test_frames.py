@@ -254,6 +254,73 @@ def test_max_buffers_is_accepted() -> None:
     assert len(frame.buffers) == MAX_BUFFERS
 
 
+class _CountingParser(FrameParser):
+    """A parser that counts the frames its general, step-by-step path produced."""
+
+    general = 0
+
+    def _parse_one(self) -> Frame | None:
+        frame = super()._parse_one()
+        if frame is not None:
+            self.general += 1
+        return frame
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_frames_with_few_buffers_take_the_one_pass_path(seed: int) -> None:
+    """A tensor-carrying frame that arrives whole -- up to 8 buffers, each below the direct-read
+    size -- is parsed in one pass (not by the general parser), and comes out exactly as sent:
+    kind, id, flags, meta and every buffer, writable and its own memory."""
+    rng = random.Random(seed)
+    parser = _CountingParser(BIG, staging_size=256 * 1024, direct_threshold=64 * 1024)
+    for _ in range(30):
+        kind = rng.choice(list(Kind))
+        message_id = rng.getrandbits(64)
+        flags = rng.getrandbits(6)
+        meta = rng.randbytes(rng.choice([0, 1, 90, 4000]))
+        buffers = [
+            rng.randbytes(rng.choice([0, 1, 1024, 64 * 1024 - 1])) for _ in range(rng.randint(1, 8))
+        ]
+        data = encode(kind, message_id, flags, meta, buffers)
+        if len(data) > 256 * 1024:
+            continue
+        (frame,) = feed(parser, data)
+        assert_same(frame, kind, message_id, flags, meta, buffers)
+        assert all(not b.readonly for b in frame.buffers)
+    assert parser.general == 0
+
+
+def test_frames_the_one_pass_path_leaves_to_the_general_parser() -> None:
+    """Nine buffers, a buffer at the direct-read size, or a frame not yet whole: the general
+    parser takes them, and they come out the same."""
+    parser = _CountingParser(BIG, staging_size=256 * 1024, direct_threshold=64 * 1024)
+    cases = [
+        (b"m", [b"x"] * 9),
+        (b"m", [b"y" * (64 * 1024)]),
+    ]
+    for meta, buffers in cases:
+        (frame,) = feed(parser, encode(Kind.REQUEST, 4, 0, meta, buffers))
+        assert_same(frame, Kind.REQUEST, 4, 0, meta, buffers)
+    data = encode(Kind.RESPONSE, 5, 1, b"meta", [b"a" * 100, b"b" * 3])
+    (frame,) = feed(parser, data, [len(data) - 1])
+    assert_same(frame, Kind.RESPONSE, 5, 1, b"meta", [b"a" * 100, b"b" * 3])
+    assert parser.general == 3
+
+
+def test_a_whole_frame_over_the_maximum_is_refused() -> None:
+    """A whole frame with buffers whose sum passes the maximum is refused as when it arrives
+    in pieces, and one whose lengths are lies (announced, not sent) is waited for, not read
+    past its end."""
+    data = encode(Kind.REQUEST, 1, 0, b"m" * 100, [b"b" * 600, b"c" * 301])
+    with pytest.raises(MessageTooLargeError, match="1001 bytes"):
+        feed(FrameParser(max_message_size=1000), data)
+    short = HEADER.pack(Kind.REQUEST, 0, 1, 2, 1) + struct.pack("<Q", 50) + b"mm" + b"z" * 10
+    parser = FrameParser(BIG)
+    assert feed(parser, short) == []
+    (frame,) = feed(parser, b"z" * 40)
+    assert bytes(frame.buffers[0]) == b"z" * 50
+
+
 def test_small_oversized_frame_arriving_whole_is_refused() -> None:
     """A frame above a small maximum is refused even when it arrives in one read."""
     data = encode(Kind.REQUEST, 1, 0, b"x" * 100, [])

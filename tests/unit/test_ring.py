@@ -610,6 +610,30 @@ def test_the_parser_takes_ring_buffers_in_place_and_the_rest_inline() -> None:
     assert parser.bytes_from_ring == 5300
 
 
+def test_a_whole_frame_takes_its_ring_buffers_in_one_pass() -> None:
+    """The same frame arriving in one read: the one-pass path takes the ring buffers at their
+    positions, in order, and the inline ones from the stream."""
+    inline = [pattern(10, 1), pattern(1000, 2)]
+    views = [memoryview(bytearray(300)), memoryview(inline[0]), memoryview(bytearray(5000))]
+    views.append(memoryview(inline[1]))
+    pieces = encode_frame_placed(Kind.RESPONSE, 9, b"pickle", views, 1, [65, 0, 129, 0])
+    parser = _frames.FrameParser(1 << 30)
+    parser.read_ring = ring = FakeRing()
+    general = parser._parse_one
+    parser._parse_one = lambda: pytest.fail("the general parser was used")  # type: ignore[method-assign]
+    (frame,) = _feed_all(parser, b"".join(bytes(p) for p in pieces))
+    parser._parse_one = general  # type: ignore[method-assign]
+    assert ring.taken == [(64, 300), (128, 5000)]
+    assert frame.flags == 1 and frame.meta == b"pickle" and frame.message_id == 9
+    assert [bytes(b) for b in frame.buffers] == [
+        bytes([64]) * 300,
+        bytes(inline[0]),
+        bytes([128]) * 5000,
+        bytes(inline[1]),
+    ]
+    assert parser.bytes_from_ring == 5300
+
+
 def test_the_parser_refuses_ring_slots_without_a_ring_and_a_slot_also_by_reference() -> None:
     views = [memoryview(bytearray(300))]
     stream = b"".join(bytes(p) for p in encode_frame_placed(Kind.REQUEST, 1, b"", views, 0, [1]))

@@ -346,17 +346,18 @@ class Connection:
                 # every small call's path)
                 self.send((_pack_header(kind, flags, 0, len(meta), message_id) + meta,))
                 return
-        elif self._ring_out is not None:
-            for b in buffers:
-                if b.raw().nbytes >= _RING_LOW:
-                    self._send_through_ring(kind, message_id, meta, buffers, flags)
-                    return
-        if not (self._by_reference and buffers) or not any(
-            b.raw().nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(b.raw()) for b in buffers
-        ):
-            self.send(encode_frame(kind, message_id, meta, buffers, flags))
-            return
-        self._send_by_reference(kind, message_id, meta, buffers, flags)
+        else:
+            largest = max([b.raw().nbytes for b in buffers])
+            if largest >= _RING_LOW and self._ring_out is not None:
+                self._send_through_ring(kind, message_id, meta, buffers, flags)
+                return
+            if largest >= CROSS_MEMORY_THRESHOLD and self._by_reference:
+                for b in buffers:
+                    view = b.raw()
+                    if view.nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(view):
+                        self._send_by_reference(kind, message_id, meta, buffers, flags)
+                        return
+        self.send(encode_frame(kind, message_id, meta, buffers, flags))
 
     def _send_by_reference(
         self,

@@ -73,6 +73,9 @@ class ChosenPicklers:
     def release(self) -> None:
         """(Nothing is reused.)"""
 
+    def release_table(self) -> None:
+        """(Nothing is reused.)"""
+
 
 class _Choice:
     """This process's picklers: the default ones, or a user's (``set_pickler``), and the

