@@ -67,19 +67,35 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
     yield Paths(monkeypatch)
 
 
+def total(*xs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return sum(xs, torch.zeros(())) * scale
+
+
 def test_plain_calls_take_the_lean_path_on_both_sides(paths: Paths) -> None:
-    """``rpc_sync`` and ``rpc_async`` of a function with plain arguments are sent and served
-    on the lean path (no references collected on the callee) with the right results; a
-    tensor argument, or a call inside an autograd context, takes the general path."""
+    """``rpc_sync`` and ``rpc_async`` of a function with plain arguments, or with CPU tensors
+    among them, are sent and served on the lean path (no references collected on the
+    callee) with the right results; a tensor subclass (a ``Parameter``), or a call inside an
+    autograd context, takes the general path."""
     with open_world(2) as world:
         assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3
         assert world.run_on(0, lambda: rpc.rpc_async("worker1", add, ("a", "b")).wait()) == "ab"
         assert (paths.plain, paths.collected) == (2, 0)
         got = world.run_on(0, rpc.rpc_sync, "worker1", add, (torch.ones(2), 1))
         assert torch.equal(got, torch.full((2,), 2.0))
-        assert (paths.plain, paths.collected) == (2, 1)
+        x, y = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3, dtype=torch.float64)
+        got = world.run_on(0, rpc.rpc_sync, "worker1", total, (x, y, x[1:]), {"scale": 2.0})
+        assert torch.equal(got, (x + y + x[1:]) * 2.0)
+        got = world.run_on(
+            0, lambda: rpc.rpc_async("worker1", add, kwargs={"a": x, "b": x.t().t()}).wait()
+        )
+        assert torch.equal(got, x + x)
+        assert (paths.plain, paths.collected) == (5, 0)
+        weight = torch.nn.Parameter(torch.ones(2))
+        got = world.run_on(0, rpc.rpc_sync, "worker1", add, (weight, 1))
+        assert torch.equal(got, torch.full((2,), 2.0)) and got.requires_grad
+        assert (paths.plain, paths.collected) == (5, 1)
         world.run_on(0, in_context, "worker1")
-        assert paths.plain == 2  # recorded: the general path, which wraps it
+        assert paths.plain == 5  # recorded: the general path, which wraps it
         assert world.agents[1].agent_statistics().layers["autograd_contexts"] >= 1
 
 
@@ -90,19 +106,20 @@ def test_lean_calls_are_counted_exactly(paths: Paths) -> None:
         world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2))
         with pytest.raises(ValueError, match="no"):
             world.run_on(0, rpc.rpc_sync, "worker1", fail)
-        assert paths.plain == 2
+        world.run_on(0, rpc.rpc_sync, "worker1", add, (torch.ones(1000), 1))
+        assert paths.plain == 3
         caller = world.agents[0].agent_statistics()
         callee = world.agents[1].agent_statistics()
     to_callee = caller.peers["worker1"]
-    assert (to_callee.calls_sent, to_callee.calls_failed, to_callee.calls_in_flight) == (2, 1, 0)
+    assert (to_callee.calls_sent, to_callee.calls_failed, to_callee.calls_in_flight) == (3, 1, 0)
     functions = to_callee.functions
-    assert functions[f"{__name__}.add"].outcomes["ok"] == 1
+    assert functions[f"{__name__}.add"].outcomes["ok"] == 2
     assert functions[f"{__name__}.fail"].outcomes["remote"] == 1
     from_caller = callee.peers["worker0"]
-    assert (from_caller.requests_served, from_caller.requests_failed) == (2, 1)
+    assert (from_caller.requests_served, from_caller.requests_failed) == (3, 1)
     assert from_caller.requests_in_flight == 0
-    assert from_caller.bytes_received == to_callee.bytes_sent > 0
-    assert from_caller.bytes_sent == to_callee.bytes_received > 0
+    assert from_caller.bytes_received == to_callee.bytes_sent > 4000  # (the tensor's bytes)
+    assert from_caller.bytes_sent == to_callee.bytes_received > 4000
 
 
 def gone() -> None:
@@ -157,3 +174,21 @@ def test_the_codec_asks_about_a_size_only_above_the_lowest_limit() -> None:
         codec.check_bytes(1001, 2)
     codec.set_peer_limit(1, 5000)  # (above this worker's: not kept)
     assert codec.least_limit == 1000
+
+
+def test_the_lean_shape_allows_cpu_tensors_where_plain_allows_atoms() -> None:
+    """``is_lean``: a request of atoms, functions and CPU tensors, at most two levels deep
+    (arguments and keyword values) -- nothing that could be a reference or land on a
+    device."""
+    from distgrad._wire._pickler import is_lean
+
+    t = torch.ones(3)
+    assert is_lean((add, (t, 1, "x"), {"b": t, "c": None}))
+    assert is_lean((add, (t[1:], t.t()), {}))
+    assert not is_lean((add, ((t,),), {}))  # deeper than arguments
+    assert not is_lean((add, ([t],), {}))
+    assert not is_lean((add, (torch.nn.Parameter(t),), {}))  # a subclass: the general path
+    assert not is_lean((add, (torch.empty(2, device="meta"),), {}))  # not on the CPU
+    assert not is_lean((add, (t,), {1: t}))
+    assert not is_lean((add, tuple([t] * 9), {}))
+    assert not is_lean(t)

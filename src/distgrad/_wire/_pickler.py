@@ -67,6 +67,7 @@ from ._reducers import (
 
 __all__ = [
     "HAS_TABLE",
+    "LEAN",
     "PLAIN",
     "Encoded",
     "allocate_buffer",
@@ -77,6 +78,7 @@ __all__ = [
     "dumps",
     "encode",
     "extracting_tensors",
+    "is_lean",
     "is_plain",
     "loads",
     "register_reducer",
@@ -257,6 +259,11 @@ HAS_TABLE = 1
 #: functions by reference) -- no tensor, no reference, nothing a layer reduces -- so the
 #: receiver may skip what only those need (the callee's lean path, ``_serving``).
 PLAIN = 2
+#: Frame flag: the stream is one (no table) of a request shaped as :func:`is_lean` says --
+#: atoms, functions by reference and CPU tensors -- so it holds no reference (RRef) and
+#: nothing for a device: the callee's lean path decodes it without collecting references.
+#: (A peer that does not know it ignores it: the general path serves such a frame as well.)
+LEAN = 4
 
 
 @dataclass(slots=True)
@@ -400,6 +407,39 @@ def is_plain(obj: Any) -> bool:
         elif kind is dict and len(item) <= 8:
             for key, value in item.items():
                 if type(key) is not str or type(value) not in atoms:
+                    return False
+        else:
+            return False
+    return True
+
+
+_TENSOR = torch.Tensor
+
+
+def is_lean(obj: Any) -> bool:
+    """:func:`is_plain`'s shape with CPU tensors allowed where it allows atoms: a small
+    request ``(func, args, kwargs)`` of tensors and atoms. What it holds pickles as it would
+    anyway (the tensor-aware pickler); the shape only vouches that nothing in it is a
+    reference or lands on a device (:data:`LEAN`)."""
+    atoms = _ATOMS
+    if type(obj) is not tuple or len(obj) > 8:
+        return False
+    for item in obj:
+        kind = type(item)
+        if kind in atoms or kind in _PLAIN_CALLABLES:
+            continue
+        if kind is _TENSOR:
+            if not item.is_cpu:
+                return False
+        elif kind is tuple and len(item) <= 8:
+            for value in item:
+                if type(value) not in atoms and not (type(value) is _TENSOR and value.is_cpu):
+                    return False
+        elif kind is dict and len(item) <= 8:
+            for key, value in item.items():
+                if type(key) is not str or (
+                    type(value) not in atoms and not (type(value) is _TENSOR and value.is_cpu)
+                ):
                     return False
         else:
             return False

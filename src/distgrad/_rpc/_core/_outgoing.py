@@ -32,7 +32,7 @@ from ..._transport._base import Link, MessageInfo
 from ..._transport._io import IoThread
 from ..._wire._choice import state as choice
 from ..._wire._frames import Frame, Kind
-from ..._wire._pickler import PLAIN, decode, encode, is_plain, loads
+from ..._wire._pickler import HAS_TABLE, LEAN, PLAIN, decode, encode, is_lean, is_plain, loads
 from . import _delivery, _layer, _profiling, _tracing
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, is_builtin, set_future_error
@@ -206,12 +206,16 @@ class Outgoing:
         payload: tuple[Any, ...],
         timeout: float,
         future: torch.futures.Future[Any] | None,
+        lean: int = PLAIN,
     ) -> _Call:
-        """Send a user's request on the lean path (its preconditions: :meth:`_lean`). What
-        :meth:`_send` does that such a request has no use for is left out: no tracing span,
-        no description, no device routing and no recording (it holds no tensor), no object
-        in it to hear of its failure; it is pickled by plain ``pickle``, as the tensor-aware
-        pickler would (``is_plain``), and flagged ``PLAIN`` for the callee's lean path."""
+        """Send a user's request on the lean path (its preconditions: :meth:`_lean`, which
+        says ``lean``). What :meth:`_send` does that such a request has no use for is left
+        out: no tracing span, no description, no recording, no object in it to hear of its
+        failure. A ``PLAIN`` one (no tensor, so no device routing either) is pickled by plain
+        ``pickle``, as the tensor-aware pickler would (``is_plain``); a ``LEAN`` one (CPU
+        tensors) by the tensor-aware pickler, as :meth:`_send` would, and flagged ``LEAN``
+        unless its device map moves CPU tensors to a device. The flag sends it down the
+        callee's lean path."""
         shared = self._shared
         if shared.stopped:
             raise shared.stopped_error("REQUEST")
@@ -221,10 +225,18 @@ class Outgoing:
         except PeerFailureError:  # (a peer known dead: the call is counted, and fails)
             self._count_unsent(dst.id, payload[0], None)
             raise
-        meta = _dumps(payload, 5)
-        size = len(meta)
-        if size > self._codec.least_limit:
-            self._codec.check_bytes(size, dst.id)
+        buffers = None
+        if lean == PLAIN:
+            meta = _dumps(payload, 5)
+            size = len(meta)
+            if size > self._codec.least_limit:
+                self._codec.check_bytes(size, dst.id)
+        else:
+            check = self._codec.device_check("Request", dst.id)
+            encoded = encode(payload, device_check=check)
+            size = self._codec.check_size(encoded, dst.id)
+            meta, buffers = encoded.meta, encoded.buffers
+            lean = encoded.flags if check.routes_cpu else encoded.flags | LEAN
         call = _Call(
             self.calls.next_id(),
             conn,
@@ -235,25 +247,30 @@ class Outgoing:
         func = payload[0]  # (a function: hashable)
         call.function = FUNCTION_LABELS.get(func) or function_label(func)
         call.started = time.perf_counter()
-        self._post(call, dst, size, meta, None, PLAIN, None)
+        self._post(call, dst, size, meta, buffers, lean, None)
         return call
 
-    def _lean(self, payload: tuple[Any, ...]) -> bool:
-        """Whether a user's request takes the lean path (:meth:`_send_plain`, issue 28). Its
-        preconditions: nothing to record (no layer records calls, or it keeps ``recording``
-        and no distributed autograd context is current on this thread), no tracing, no
-        transport that wants frames described (fault injection), the default pickler, and a
-        plain payload (``is_plain``: atoms and functions by reference -- no tensor, so no
-        device map applies, and no object that asks to hear of the call's failure). Anything
-        else takes the general path, :meth:`_send`; both register and write the request
+    def _lean(self, payload: tuple[Any, ...]) -> int:
+        """Whether a user's request takes the lean path (:meth:`_send_plain`, issue 28), and
+        how: ``PLAIN``, ``LEAN`` or 0 (the general path, :meth:`_send`). Its preconditions:
+        nothing to record (no layer records calls, or it keeps ``recording`` and no
+        distributed autograd context is current on this thread), no tracing, no transport
+        that wants frames described (fault injection), the default pickler, and a payload of
+        a lean shape: ``is_plain`` (atoms and functions by reference -- no tensor, so no
+        device map applies, and no object that asks to hear of the call's failure) or
+        ``is_lean`` (the same with CPU tensors). Both paths register and write the request
         through :meth:`_post`, and their answers come back the same way."""
-        return (
+        if (
             (_layer._recorder is None or (_layer.recorder_counts and not recording.reasons))
             and not _tracing.active
             and not self._shared.describe
             and choice.picklers is None
-            and is_plain(payload)
-        )
+        ):
+            if is_plain(payload):
+                return PLAIN
+            if is_lean(payload):
+                return LEAN
+        return 0
 
     def _count_unsent(self, dst: int, func: Any, span: Any) -> None:
         """Count a call to a peer known dead, which fails before it is registered."""
@@ -375,8 +392,9 @@ class Outgoing:
                 internal,
             )
         payload = (func, args, kwargs)
-        if not internal and self._lean(payload):
-            call = self._send_plain(dst, payload, timeout, None)
+        lean = 0 if internal else self._lean(payload)
+        if lean:
+            call = self._send_plain(dst, payload, timeout, None, lean)
         else:
             call = self._send(dst, payload, timeout, None, internal=internal, force=force)
         lock = call.lock
@@ -454,8 +472,9 @@ class Outgoing:
         future._pools = self._pools
         payload = (func, args, kwargs)
         try:
-            if not internal and self._lean(payload):
-                self._send_plain(dst, payload, timeout, future)
+            lean = 0 if internal else self._lean(payload)
+            if lean:
+                self._send_plain(dst, payload, timeout, future, lean)
             else:
                 self._send(dst, payload, timeout, future, internal=internal, force=force)
         except InjectedFailureError as exc:  # as torch's faulty agent: a failed future
@@ -527,7 +546,7 @@ class Outgoing:
             message, tb, pickled_type = loads(frame.meta)
             raise exception_from_payload(message, tb, pickled_type)
         extension = _layer._recorder  # (the registry's field: no call on the call path)
-        if extension is None or call.internal:
+        if extension is None or call.internal or not frame.flags & HAS_TABLE:
             return decode(frame.meta, frame.buffers, frame.flags)[1]
         peer = call.conn.peer
         return decode(

@@ -26,7 +26,7 @@ from ..._wire import _choice
 from ..._wire._choice import state as choice
 from ..._wire._frames import Frame, Kind
 from ..._wire._guard import RefusedError
-from ..._wire._pickler import PLAIN, decode, dumps, encode, is_plain, loads
+from ..._wire._pickler import HAS_TABLE, LEAN, PLAIN, decode, dumps, encode, is_plain, loads
 from . import _layer, _profiling, _tracing
 from ._calls import check_async_result, is_builtin
 from ._codec import UDF_MISSING, Codec
@@ -222,9 +222,17 @@ class Serving:
                 return
             self._run(conn, frame, func, args, kwargs, None)
             return
+        if (
+            frame.flags & LEAN
+            and not frame.flags & HAS_TABLE
+            and choice.unpickler is None
+            and not self._shared.describe
+        ):
+            self._serve_lean(conn, frame)
+            return
         size = len(frame.meta)
-        if frame.buffers:
-            size += sum(buffer.nbytes for buffer in frame.buffers)
+        for buffer in frame.buffers:
+            size += buffer.nbytes
         self._stats.request(conn.peer, size)
         extension = _layer._recorder  # (the registry's field: no call on the call path)
         states: list[int | None] = []
@@ -286,6 +294,32 @@ class Serving:
             self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
             return
         self._run(conn, frame, func, args, kwargs, state)
+
+    def _serve_lean(self, conn: Link, frame: Frame) -> None:
+        """The lean path of a request of atoms and CPU tensors (``LEAN``; preconditions as
+        the plain one's): one stream, unpickled with its buffers; no table, so nothing to
+        record, and no reference to collect or wait for. Should a peer's frame say ``LEAN``
+        of what put tensors on a device, they are served on it as the general path would."""
+        size = len(frame.meta)
+        for buffer in frame.buffers:
+            size += buffer.nbytes
+        self._stats.request(conn.peer, size)
+        try:
+            request = _loads(frame.meta, buffers=frame.buffers)
+            func, args, kwargs = request[0], request[1], request[2]
+        except BaseException as exc:
+            if Process.seen:
+                take_arrivals()  # a decode that failed halfway: forget what it put on devices
+            self._reply_error(conn, frame.message_id, self._unpickling_error(exc, conn))
+            return
+        arrivals = take_arrivals() if Process.seen else None
+        del frame.buffers[:]  # (the tensors hold their memory; the frame lets go of it)
+        if len(request) > 3:  # a traced call
+            self._serve_traced(conn, frame, request[3], func, args, kwargs, None, arrivals)
+        elif arrivals is not None:
+            self._serve_on_devices(conn, frame, func, args, kwargs, None, arrivals)
+        else:
+            self._run(conn, frame, func, args, kwargs, None)
 
     def _unpickling_error(self, exc: BaseException, conn: Link) -> BaseException:
         """What a request that could not be unpickled is answered with (``exc``: why)."""
