@@ -61,31 +61,34 @@ def _reduce_future(_future: Any) -> Any:
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     # Fast path (most messages): a dense contiguous CPU tensor that numpy can view directly.
+    # (``numpy()`` refuses a tensor with a conjugate or negative bit: the general path below
+    # keeps those bits; and one that requires grad, hence the ``detach``.)
     code = _CODE_OF_DTYPE.get(tensor.dtype)
     if (
         code is not None
         and tensor.layout is _STRIDED
         and tensor.is_cpu
-        and not (tensor.is_nested or tensor.is_conj() or tensor.is_neg())
+        and not tensor.is_nested
         and tensor.is_contiguous()
         # exactly its storage (so offset 0): a slice goes by torch's rule (_reduce_view)
         and tensor.untyped_storage().nbytes() == tensor.nbytes
     ):
         requires_grad = tensor.requires_grad
-        shared = _policy.storages
-        if shared is not None and tensor.nbytes:  # another tensor of the message views it?
-            first = shared.get(tensor.data_ptr())
-            if first is not None:
-                return _view_of(first, tensor, code, requires_grad)
-            shared[tensor.data_ptr()] = tensor  # (the pickler's memo keeps it: views refer to it)
         try:
             array = (tensor.detach() if requires_grad else tensor).numpy()
         except (RuntimeError, TypeError):  # anything numpy can't view takes the general path
             pass
         else:
+            shared = _policy.storages
+            if shared is not None and array.nbytes:  # another tensor of the message views it?
+                address = tensor.data_ptr()
+                first = shared.get(address)
+                if first is not None:
+                    return _view_of(first, tensor, code, requires_grad)
+                shared[address] = tensor  # (the pickler's memo keeps it: views refer to it)
             return (
                 _rebuild_array_grad if requires_grad else _rebuild_array,
-                (pickle.PickleBuffer(array), code, tuple(tensor.shape)),  # type: ignore[arg-type]
+                (pickle.PickleBuffer(array), code, array.shape),  # type: ignore[arg-type]
             )
     requires_grad = tensor.requires_grad
     if tensor.device.type != "cpu":
