@@ -626,8 +626,8 @@ class Outgoing:
             self._stats.answered(call.conn.peer, 0, call.function, seconds, outcome)
         else:
             size = len(frame.meta)
-            if frame.buffers:
-                size += sum(buffer.nbytes for buffer in frame.buffers)
+            for buffer in frame.buffers:  # (a loop: a generator costs more for one or two)
+                size += buffer.nbytes
             if error is None:
                 outcome = REMOTE if frame.kind == Kind.ERROR else 0
             self._stats.answered(call.conn.peer, size, call.function, seconds, outcome)

@@ -512,7 +512,8 @@ class Serving:
     ) -> None:
         size = len(meta)
         if buffers:
-            size += sum(buffer.raw().nbytes for buffer in buffers)
+            for buffer in buffers:  # (a loop: a generator costs more for one or two)
+                size += buffer.raw().nbytes
         self._stats.replied(conn.peer, size, failed=kind == Kind.ERROR)
         try:
             conn.send_frame(kind, message_id, meta, buffers, flags)
