@@ -145,16 +145,24 @@ def test_a_plain_request_for_a_missing_function_fails_as_on_the_general_path(
         assert (paths.plain, paths.collected) == (1, 0)  # (both sides' lean paths)
 
 
+def fail_with(_tensor: torch.Tensor) -> None:
+    raise ValueError("ran")
+
+
 def test_the_allow_list_still_refuses_plain_requests() -> None:
-    """With an allow-list, a plain request goes through the guarded general path and a
-    function off the list is refused."""
+    """With an allow-list, a plain request, or one of CPU tensors, goes through the guarded
+    general path and a function off the list is refused."""
     options = world_options()
     options.allowed_calls = [f"{__name__}.add"]
     with open_world(2, options=options) as world:
         assert world.run_on(0, rpc.rpc_sync, "worker1", add, (1, 2)) == 3
+        got = world.run_on(0, rpc.rpc_sync, "worker1", add, (torch.ones(2), 1))
+        assert torch.equal(got, torch.full((2,), 2.0))
         with pytest.raises(Exception, match="allow-list"):
             world.run_on(0, rpc.rpc_sync, "worker1", fail)
-        assert world.agents[1].agent_statistics().peers["worker0"].requests_refused == 1
+        with pytest.raises(Exception, match="allow-list"):
+            world.run_on(0, rpc.rpc_sync, "worker1", fail_with, (torch.ones(2),))
+        assert world.agents[1].agent_statistics().peers["worker0"].requests_refused == 2
 
 
 def test_the_codec_asks_about_a_size_only_above_the_lowest_limit() -> None:
