@@ -1,5 +1,6 @@
 """What one RPC costs, counted rather than timed: Python calls, thread wake-ups and syscalls per
-``rpc_sync`` no-op, per ``rpc_async`` no-op and per 2-worker MLP step.
+``rpc_sync`` no-op, per ``rpc_async`` no-op, per ``rpc_sync`` echo of a 1 KiB tensor (what a
+tensor-carrying message adds) and per 2-worker MLP step.
 
 Timings on a shared, loaded host move by tens of per cent between runs; these counts do not
 (they depend on the code path, not on the load), so a change to the call path is judged by them
@@ -36,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import noop
+from _common import echo, noop
 
 HIDDEN = 512
 
@@ -134,6 +135,9 @@ def python_calls(calls: int, mlp_steps: int, top: int) -> dict[str, Any]:
         (s, f, round(c / 100, 2)) for s, f, c in results["rpc_async"]["top"]
     ]
 
+    tensor = torch.ones(256)
+    measure("echo_1KiB", calls, lambda: rpc.rpc_sync("worker1", echo, (tensor,)))
+
     torch.manual_seed(0)
     first = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())
     head = torch.nn.Linear(HIDDEN, 10)
@@ -218,12 +222,16 @@ def wakeups_caller(rpc: Any, dst: str, cfg: dict[str, Any]) -> dict[str, Any]:
     peer = rpc.rpc_sync(dst, os.getpid)
     n = cfg["calls"]
     out: dict[str, Any] = {}
-    for name in ("rpc_sync", "rpc_async"):
+    tensor = torch.ones(256)
+    for name in ("rpc_sync", "rpc_async", "echo_1KiB"):
 
         def body(name: str = name) -> None:
             if name == "rpc_sync":
                 for _ in range(n):
                     rpc.rpc_sync(dst, noop)
+            elif name == "echo_1KiB":
+                for _ in range(n):
+                    rpc.rpc_sync(dst, echo, (tensor,))
             else:
                 for _ in range(n // 100):
                     torch.futures.wait_all([rpc.rpc_async(dst, noop) for _ in range(100)])
