@@ -200,3 +200,29 @@ def test_the_lean_shape_allows_cpu_tensors_where_plain_allows_atoms() -> None:
     assert not is_lean((add, (t,), {1: t}))
     assert not is_lean((add, tuple([t] * 9), {}))
     assert not is_lean(t)
+
+
+def test_a_callee_without_the_lean_path_serves_a_lean_request_the_same(
+    monkeypatch: pytest.MonkeyPatch, paths: Paths
+) -> None:
+    """A peer that does not know ``LEAN`` (its bit ignored: the general path) serves such a
+    request with the same result -- what lets the flag go to older peers without a protocol
+    version of its own."""
+    from distgrad._rpc._core import _serving
+    from distgrad._wire._pickler import LEAN
+
+    flags: list[int] = []
+    post = Outgoing._post
+
+    def recording_post(outgoing: Outgoing, call: Any, dst: Any, size: int, *rest: Any) -> None:
+        flags.append(rest[2])  # (meta, buffers, flags, info)
+        post(outgoing, call, dst, size, *rest)
+
+    monkeypatch.setattr(Outgoing, "_post", recording_post)
+    monkeypatch.setattr(_serving, "LEAN", 0)  # the callee no longer recognises the bit
+    with open_world(2) as world:
+        x = torch.arange(4.0)
+        got = world.run_on(0, rpc.rpc_sync, "worker1", total, (x, x), {"scale": 3.0})
+        assert torch.equal(got, (x + x) * 3.0)
+        assert flags == [LEAN]  # sent flagged, and served on the general path:
+        assert (paths.plain, paths.collected) == (1, 1)  # its references were collected
