@@ -67,7 +67,11 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
     yield Paths(monkeypatch)
 
 
+RUNS = {"total": 0}
+
+
 def total(*xs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    RUNS["total"] += 1
     return sum(xs, torch.zeros(())) * scale
 
 
@@ -83,8 +87,10 @@ def test_plain_calls_take_the_lean_path_on_both_sides(paths: Paths) -> None:
         got = world.run_on(0, rpc.rpc_sync, "worker1", add, (torch.ones(2), 1))
         assert torch.equal(got, torch.full((2,), 2.0))
         x, y = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3, dtype=torch.float64)
+        runs = RUNS["total"]
         got = world.run_on(0, rpc.rpc_sync, "worker1", total, (x, y, x[1:]), {"scale": 2.0})
         assert torch.equal(got, (x + y + x[1:]) * 2.0)
+        assert RUNS["total"] == runs + 1  # run once, as by torch's callee
         got = world.run_on(
             0, lambda: rpc.rpc_async("worker1", add, kwargs={"a": x, "b": x.t().t()}).wait()
         )
@@ -209,7 +215,7 @@ def test_a_callee_without_the_lean_path_serves_a_lean_request_the_same(
     request with the same result -- what lets the flag go to older peers without a protocol
     version of its own."""
     from distgrad._rpc._core import _serving
-    from distgrad._wire._pickler import LEAN
+    from distgrad._wire._pickler import LEAN, PLAIN
 
     flags: list[int] = []
     post = Outgoing._post
@@ -219,7 +225,7 @@ def test_a_callee_without_the_lean_path_serves_a_lean_request_the_same(
         post(outgoing, call, dst, size, *rest)
 
     monkeypatch.setattr(Outgoing, "_post", recording_post)
-    monkeypatch.setattr(_serving, "LEAN", 0)  # the callee no longer recognises the bit
+    monkeypatch.setattr(_serving, "_LEAN_FLAGS", PLAIN)  # the callee no longer knows LEAN
     with open_world(2) as world:
         x = torch.arange(4.0)
         got = world.run_on(0, rpc.rpc_sync, "worker1", total, (x, x), {"scale": 3.0})

@@ -80,6 +80,7 @@ __all__ = [
     "extracting_tensors",
     "is_lean",
     "is_plain",
+    "lean_kind",
     "loads",
     "register_reducer",
     "restricted_loads",
@@ -222,14 +223,11 @@ class _ThreadPicklers(threading.local):
 
     def release(self) -> None:
         """Make the cached picklers ready for the next message on this thread."""
-        for file in (self.file, self.table_file):
-            file.seek(0)
-            file.truncate()
+        self.file.seek(0)
+        self.file.truncate()
         self.buffers.clear()
-        self.table_buffers.clear()
         self.payload.clear_memo()
-        self.table.clear_memo()
-        self.busy = False
+        self.release_table()
 
     def release_table(self) -> None:
         """:meth:`release` after a message that used only the table pickler (one stream)."""
@@ -388,62 +386,53 @@ def is_plain(obj: Any) -> bool:
     """True for what plain pickle handles exactly as this pickler would: an atom, or a small
     tuple of atoms, module-level functions (by reference) and small tuples or str-keyed dicts
     of atoms -- the shape of a small request ``(func, args, kwargs)``. The common small
-    message then skips the tensor-aware pickler's set-up (about 5 µs on each side of a call).
-    Written as loops: generators would cost as much as they save."""
-    atoms = _ATOMS
-    kind = type(obj)
-    if kind in atoms:
-        return True
-    if kind is not tuple or len(obj) > 8:
-        return False
-    for item in obj:
-        kind = type(item)
-        if kind in atoms or kind in _PLAIN_CALLABLES:
-            continue
-        if kind is tuple and len(item) <= 8:
-            for value in item:
-                if type(value) not in atoms:
-                    return False
-        elif kind is dict and len(item) <= 8:
-            for key, value in item.items():
-                if type(key) is not str or type(value) not in atoms:
-                    return False
-        else:
-            return False
-    return True
+    message then skips the tensor-aware pickler's set-up (about 5 µs on each side of a call)."""
+    return type(obj) in _ATOMS or lean_kind(obj) == PLAIN
 
 
 _TENSOR = torch.Tensor
 
 
 def is_lean(obj: Any) -> bool:
-    """:func:`is_plain`'s shape with CPU tensors allowed where it allows atoms: a small
-    request ``(func, args, kwargs)`` of tensors and atoms. What it holds pickles as it would
-    anyway (the tensor-aware pickler); the shape only vouches that nothing in it is a
-    reference or lands on a device (:data:`LEAN`)."""
+    """:func:`is_plain`'s shape with CPU tensors among its atoms (:data:`LEAN`)."""
+    return lean_kind(obj) == LEAN
+
+
+def lean_kind(obj: Any) -> int:
+    """In one walk: ``PLAIN`` for a small tuple of :func:`is_plain`'s shape; ``LEAN`` for the
+    same shape with CPU tensors (exact ``torch.Tensor``) where it allows atoms -- a request
+    ``(func, args, kwargs)`` of tensors and atoms, which pickles as it would anyway (the
+    tensor-aware pickler) and holds no reference and nothing for a device; 0 for anything
+    else. Written as loops: generators would cost as much as they save."""
     atoms = _ATOMS
     if type(obj) is not tuple or len(obj) > 8:
-        return False
+        return 0
+    found = PLAIN
     for item in obj:
         kind = type(item)
         if kind in atoms or kind in _PLAIN_CALLABLES:
             continue
         if kind is _TENSOR:
             if not item.is_cpu:
-                return False
+                return 0
+            found = LEAN
         elif kind is tuple and len(item) <= 8:
             for value in item:
-                if type(value) not in atoms and not (type(value) is _TENSOR and value.is_cpu):
-                    return False
+                if type(value) not in atoms:
+                    if type(value) is not _TENSOR or not value.is_cpu:
+                        return 0
+                    found = LEAN
         elif kind is dict and len(item) <= 8:
             for key, value in item.items():
-                if type(key) is not str or (
-                    type(value) not in atoms and not (type(value) is _TENSOR and value.is_cpu)
-                ):
-                    return False
+                if type(key) is not str:
+                    return 0
+                if type(value) not in atoms:
+                    if type(value) is not _TENSOR or not value.is_cpu:
+                        return 0
+                    found = LEAN
         else:
-            return False
-    return True
+            return 0
+    return found
 
 
 def _encode_inline(

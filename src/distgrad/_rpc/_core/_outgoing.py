@@ -32,7 +32,7 @@ from ..._transport._base import Link, MessageInfo
 from ..._transport._io import IoThread
 from ..._wire._choice import state as choice
 from ..._wire._frames import Frame, Kind
-from ..._wire._pickler import HAS_TABLE, LEAN, PLAIN, decode, encode, is_lean, is_plain, loads
+from ..._wire._pickler import HAS_TABLE, LEAN, PLAIN, decode, encode, lean_kind, loads
 from . import _delivery, _layer, _profiling, _tracing
 from ._call_table import TICK, CallTable
 from ._calls import RpcFuture, _Call, is_builtin, set_future_error
@@ -266,10 +266,7 @@ class Outgoing:
             and not self._shared.describe
             and choice.picklers is None
         ):
-            if is_plain(payload):
-                return PLAIN
-            if is_lean(payload):
-                return LEAN
+            return lean_kind(payload)
         return 0
 
     def _count_unsent(self, dst: int, func: Any, span: Any) -> None:

@@ -43,6 +43,7 @@ __all__ = ["Serving"]
 
 _log = logging.getLogger("distgrad.rpc")
 _loads = pickle.loads
+_LEAN_FLAGS = PLAIN | LEAN
 _dumps = pickle.dumps
 
 
@@ -203,32 +204,42 @@ class Serving:
             frame = taken
 
     def _serve(self, conn: Link, frame: Frame) -> None:
-        if frame.flags & PLAIN and choice.unpickler is None and not self._shared.describe:
-            # The lean path (issue 28). Preconditions: a plain request (``PLAIN``: plain
-            # pickle of atoms and functions -- no tensor, so no table, no recording and
-            # nothing on devices; no reference, so none to collect or wait for, and no
-            # ``remote()`` creation), the default unpickler (no allow-list: a guard always
-            # comes with its own), replies not described (fault injection). It runs as the
-            # general path below would, without the steps such a request has no use for.
-            self._stats.request(conn.peer, len(frame.meta))
-            try:
-                plain = _loads(frame.meta)
-                func, args, kwargs = plain[0], plain[1], plain[2]
-            except BaseException as exc:
-                self._reply_error(conn, frame.message_id, self._unpickling_error(exc, conn))
-                return
-            if len(plain) > 3:  # a traced call
-                self._serve_traced(conn, frame, plain[3], func, args, kwargs, None, None)
-                return
-            self._run(conn, frame, func, args, kwargs, None)
-            return
+        flags = frame.flags
         if (
-            frame.flags & LEAN
-            and not frame.flags & HAS_TABLE
+            flags & _LEAN_FLAGS
+            and not flags & HAS_TABLE
             and choice.unpickler is None
             and not self._shared.describe
         ):
-            self._serve_lean(conn, frame)
+            # The lean path (issue 28). Preconditions: a request flagged ``PLAIN`` (plain
+            # pickle of atoms and functions) or ``LEAN`` (the same with CPU tensors) -- no
+            # table, so no recording; no reference, so none to collect or wait for, and no
+            # ``remote()`` creation --, the default unpickler (no allow-list: a guard always
+            # comes with its own), replies not described (fault injection). It runs as the
+            # general path below would, without the steps such a request has no use for
+            # (should a peer's frame put tensors on a device anyway, they are served there).
+            buffers = frame.buffers
+            size = len(frame.meta)
+            for buffer in buffers:
+                size += buffer.nbytes
+            self._stats.request(conn.peer, size)
+            try:
+                lean = _loads(frame.meta, buffers=buffers)
+                func, args, kwargs = lean[0], lean[1], lean[2]
+            except BaseException as exc:
+                if Process.seen:
+                    take_arrivals()  # a decode that failed halfway: forget what it put there
+                self._reply_error(conn, frame.message_id, self._unpickling_error(exc, conn))
+                return
+            arrivals = take_arrivals() if Process.seen else None
+            if buffers:
+                del buffers[:]  # (the tensors hold their memory; the frame lets go of it)
+            if len(lean) > 3:  # a traced call
+                self._serve_traced(conn, frame, lean[3], func, args, kwargs, None, arrivals)
+            elif arrivals is not None:
+                self._serve_on_devices(conn, frame, func, args, kwargs, None, arrivals)
+            else:
+                self._run(conn, frame, func, args, kwargs, None)
             return
         size = len(frame.meta)
         for buffer in frame.buffers:
@@ -294,32 +305,6 @@ class Serving:
             self._serve_on_devices(conn, frame, func, args, kwargs, state, arrivals)
             return
         self._run(conn, frame, func, args, kwargs, state)
-
-    def _serve_lean(self, conn: Link, frame: Frame) -> None:
-        """The lean path of a request of atoms and CPU tensors (``LEAN``; preconditions as
-        the plain one's): one stream, unpickled with its buffers; no table, so nothing to
-        record, and no reference to collect or wait for. Should a peer's frame say ``LEAN``
-        of what put tensors on a device, they are served on it as the general path would."""
-        size = len(frame.meta)
-        for buffer in frame.buffers:
-            size += buffer.nbytes
-        self._stats.request(conn.peer, size)
-        try:
-            request = _loads(frame.meta, buffers=frame.buffers)
-            func, args, kwargs = request[0], request[1], request[2]
-        except BaseException as exc:
-            if Process.seen:
-                take_arrivals()  # a decode that failed halfway: forget what it put on devices
-            self._reply_error(conn, frame.message_id, self._unpickling_error(exc, conn))
-            return
-        arrivals = take_arrivals() if Process.seen else None
-        del frame.buffers[:]  # (the tensors hold their memory; the frame lets go of it)
-        if len(request) > 3:  # a traced call
-            self._serve_traced(conn, frame, request[3], func, args, kwargs, None, arrivals)
-        elif arrivals is not None:
-            self._serve_on_devices(conn, frame, func, args, kwargs, None, arrivals)
-        else:
-            self._run(conn, frame, func, args, kwargs, None)
 
     def _unpickling_error(self, exc: BaseException, conn: Link) -> BaseException:
         """What a request that could not be unpickled is answered with (``exc``: why)."""
