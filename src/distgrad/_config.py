@@ -37,6 +37,9 @@ ENV_CROSS_MEMORY = "DISTGRAD_CROSS_MEMORY"
 #: Set to "0" to send mid-size same-host tensors through the Unix socket, never through the
 #: connection's shared-memory ring (see ``distgrad._transport._ring``).
 ENV_SHM_RING = "DISTGRAD_SHM_RING"
+#: Set to "0" to make a receiver copy each buffer out of the ring (and free its space at once)
+#: instead of lending the ring's memory to the received tensor until that tensor dies.
+ENV_SHM_RING_LEND = "DISTGRAD_SHM_RING_LEND"
 #: Bytes of each same-host connection direction's shared-memory ring (``SHM_RING_SIZE``).
 ENV_SHM_RING_SIZE = "DISTGRAD_SHM_RING_SIZE"
 #: Tensor buffers from this many bytes go through the ring (``SHM_RING_THRESHOLD``).

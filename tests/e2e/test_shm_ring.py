@@ -1,11 +1,13 @@
 """Shared-memory rings between real worker processes on one host (``_transport._ring``): mid-size
 tensors go through them bit-exact, gradients through them equal local autograd's, a full ring
-falls back to the socket, and a peer killed while ring frames are in flight fails the pending
+falls back to the socket, tensors a worker keeps (their storage lent from the ring) stay intact
+and hold only their own space, and a peer killed while ring frames are in flight fails the pending
 calls with a clear error, without a hang."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import threading
@@ -76,6 +78,67 @@ def test_mid_size_tensors_echo_bit_exact_through_the_ring(ring: str) -> None:
         assert out["worker0"] > 0 and out["worker1"] > 0, out
     else:
         assert out["worker0"] == 0 and out["worker1"] == 0, out
+
+
+#: what worker1 keeps of what it received: (the received tensor, a copy made on arrival)
+KEPT: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def keep(x: torch.Tensor) -> None:
+    KEPT.append((x, x.clone()))
+
+
+def kept_intact() -> list[bool]:
+    return [same_bits(x, copy) for x, copy in KEPT]
+
+
+def drop_kept() -> int:
+    KEPT.clear()
+    gc.collect()
+    return ring_lent()
+
+
+def ring_lent() -> int:
+    return int(dataclasses.asdict(rpc._get_current_rpc_agent().statistics())["ring_bytes_lent"])
+
+
+def kept_program(rank: int, world_size: int) -> dict[str, Any] | str:
+    if rank != 0:
+        return "served"
+    mib = 1024 * 1024 // 4
+    kept = [random_tensor(torch.float32, (mib,), seed=i) for i in range(3)]
+    deadline = time.monotonic() + 10
+    while rpc.rpc_sync("worker1", ring_bytes) == 0 and time.monotonic() < deadline:
+        rpc.rpc_sync("worker1", echo, (kept[0],))  # (until the ring to worker1 is up)
+    for t in kept:
+        rpc.rpc_sync("worker1", keep, (t,))
+    lent_kept = rpc.rpc_sync("worker1", ring_lent)
+    before = rpc.rpc_sync("worker1", ring_bytes)
+    exact = []
+    for i in range(40):  # 40 MiB more each way through the 8 MiB rings: 5 laps' worth
+        t = random_tensor(torch.float32, (mib,), seed=10 + i)
+        exact.append(same_bits(rpc.rpc_sync("worker1", echo, (t,)), t))
+    through = rpc.rpc_sync("worker1", ring_bytes) - before
+    return {
+        "exact": exact,
+        "intact": rpc.rpc_sync("worker1", kept_intact),
+        "lent_kept": lent_kept,
+        "through": through,
+        "lent_after": rpc.rpc_sync("worker1", drop_kept),
+    }
+
+
+def test_tensors_a_worker_keeps_are_never_overwritten_and_hold_only_their_own_space() -> None:
+    """worker1 keeps three 1 MiB tensors it received (their storage lent from the ring): 40
+    more 1 MiB echoes still go through the ring around them, bit-exact, the kept ones are
+    unchanged, and once dropped their space is given back."""
+    results = run_workers(kept_program, 2, timeout=90)
+    out = results[0]
+    assert all(out["exact"]), out["exact"]
+    assert out["intact"] == [True, True, True], out
+    assert out["lent_kept"] >= 3 * 1024 * 1024, out
+    assert out["through"] >= 30 * 1024 * 1024, out  # (not pushed to the socket by the kept)
+    assert out["lent_after"] == 0, out
 
 
 def scale_sin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@ closed connection's ring dropped with it."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import gc
 import os
 import pickle
 import socket
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from distgrad._errors import ProtocolError
 from distgrad._transport import _connection, _ring
@@ -65,33 +68,86 @@ def passed(writer: _ring.RingWriter) -> _ring.RingReader:
 
 
 def take(reader: _ring.RingReader, position: int, n: int) -> bytearray:
-    out = bytearray(n)
-    reader.take(position, memoryview(out))
-    return out
+    """A copy of what ``reader`` hands out (a lent buffer is freed when its array dies)."""
+    return bytearray(reader.take(position, n))
 
 
-def test_buffers_go_through_and_wrap_around_the_end_bit_exact() -> None:
-    """Buffers placed one after another come out as they went in, in any size up to the limit;
-    one that does not fit before the end starts at the next lap (never split); the space a
-    taken buffer held is placed again."""
+def test_buffers_go_through_bit_exact_at_chunk_starts_and_their_space_is_placed_again() -> None:
+    """Buffers of any size up to the limit come out as they went in, each at a chunk's start
+    and never past the ring's end; the chunks of a buffer whose view died are placed again."""
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
     sizes = [100_000, 100_000, 90_000, 128 * 1024, 1, 64 * 1024, 77_777, 128 * 1024] * 5
-    laps = set()
+    positions = set()
     for i, n in enumerate(sizes):
         data = pattern(n, i)
         position = writer.place(memoryview(data))
         assert position >= 0, f"buffer {i} found no room in an empty ring"
-        assert position % _ring.ALIGN == 0
-        assert position % SIZE + n <= SIZE  # never split at the end
-        laps.add(position // SIZE)
+        assert position % _ring.CHUNK == 0
+        assert position + n <= SIZE
+        positions.add(position)
         assert take(reader, position, n) == data
-    assert len(laps) > 3  # the test went round the ring
+        assert reader.held() == writer.chunks_in_use() == 0  # (its view is gone)
+    assert positions == {0}  # first fit: the freed chunks at the start, each time
 
 
-def test_a_full_ring_refuses_until_the_receiver_takes() -> None:
-    """With the receiver behind, the sender gets -1 (it sends inline: it never waits); once
-    the receiver took a buffer, its space is free again."""
+def test_a_lent_buffer_is_the_tensors_memory_and_is_freed_when_the_tensor_dies() -> None:
+    """A lent buffer is the received tensor's storage (no copy); its chunks stay in use --
+    never overwritten -- while any view of that tensor lives, in whatever order the tensors
+    die, and the sender fills what they free while others are still held."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    assert reader.lend
+    datas = [pattern(64 * 1024, i) for i in range(3)]
+    tensors = []
+    for data in datas:
+        buf = reader.take(writer.place(memoryview(data)), len(data))
+        tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+        del buf
+    assert reader.held() == writer.chunks_in_use() == 3 * 16
+    at = ctypes.c_char.from_buffer(reader._view, reader._header + 64 * 1024)  # (its mapping)
+    assert tensors[1].data_ptr() == ctypes.addressof(at)
+    del at
+    keep = tensors[1][10:20]  # a view keeps the storage
+    del tensors[1]
+    assert reader.held() == 48
+    second = pattern(SIZE // 2, 7)  # no room before the end while the three are held
+    assert writer.place(memoryview(second)) == -1
+    del keep
+    assert reader.held() == 32
+    third = pattern(64 * 1024, 8)
+    p3 = writer.place(memoryview(third))
+    assert p3 == 64 * 1024  # the freed hole, between two held buffers
+    assert bytes(tensors[0].numpy()) == bytes(datas[0])  # the held ones were not touched
+    assert bytes(tensors[1].numpy()) == bytes(datas[2])
+    assert take(reader, p3, len(third)) == third
+    del tensors
+    gc.collect()
+    assert reader.held() == writer.chunks_in_use() == 0
+
+
+def test_a_receiver_that_does_not_lend_copies_and_frees_at_once() -> None:
+    """With lending off (``DISTGRAD_SHM_RING_LEND=0``), a buffer is copied out and its space
+    freed before it is handed out: what the sender writes there next does not change it."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    reader.lend = False
+    data = pattern(70_000, 1)
+    buf = reader.take(writer.place(memoryview(data)), len(data))
+    assert reader.held() == writer.chunks_in_use() == 0
+    assert writer.place(memoryview(pattern(70_000, 2))) == 0  # (over the same chunks)
+    assert bytes(buf) == bytes(data) and not buf.readonly
+
+
+def test_the_environment_makes_receivers_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = _ring.RingWriter(SIZE)
+    monkeypatch.setenv("DISTGRAD_SHM_RING_LEND", "0")
+    assert not passed(writer).lend
+
+
+def test_a_full_ring_refuses_until_the_receiver_frees() -> None:
+    """With the receiver's tensors alive, the sender gets -1 (it sends inline: it never
+    waits); once one died, its space is free again."""
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
     first, second = pattern(SIZE // 2, 1), pattern(SIZE // 2, 2)
@@ -99,12 +155,23 @@ def test_a_full_ring_refuses_until_the_receiver_takes() -> None:
     p2 = writer.place(memoryview(second))
     assert p1 >= 0 and p2 >= 0
     assert writer.place(memoryview(pattern(64, 3))) == -1
-    assert take(reader, p1, len(first)) == first
+    held = reader.take(p1, len(first)), reader.take(p2, len(second))
+    assert writer.place(memoryview(pattern(64, 3))) == -1
+    assert bytes(held[1]) == second
+    held = held[:1]
     third = pattern(SIZE // 4, 4)
     p3 = writer.place(memoryview(third))
-    assert p3 >= 0
-    assert take(reader, p2, len(second)) == second
-    assert take(reader, p3, len(third)) == third
+    assert p3 == p2
+    assert bytes(held[0]) == first and take(reader, p3, len(third)) == third
+
+
+def test_a_buffer_whose_frame_was_not_written_is_unplaced() -> None:
+    writer = _ring.RingWriter(SIZE)
+    position = writer.place(memoryview(pattern(100_000, 1)))
+    assert writer.chunks_in_use() == 25
+    writer.unplace(position, 100_000)
+    assert writer.chunks_in_use() == 0
+    writer.close_fd()
 
 
 def test_rings_count_against_the_process_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,40 +204,47 @@ def test_rings_count_against_the_process_budget(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize(
     "position, n, why",
     [
-        (SIZE - 100, 200, "crosses the end"),
+        (SIZE - 4096, 8192, "crosses the end"),
         (0, SIZE + 64, "longer than the ring"),
         (0, 0, "empty"),
-        (SIZE * 3, 64, "more than a lap ahead"),
+        (SIZE * 3, 64, "past the end"),
+        (100, 64, "off a chunk's start"),
+        (-4096, 64, "negative"),
     ],
 )
 def test_a_reference_outside_the_ring_is_a_protocol_error(position: int, n: int, why: str) -> None:
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
     with pytest.raises(ProtocolError, match="outside the ring"):
-        reader.take(position, memoryview(bytearray(n)))
+        reader.take(position, n)
+    assert reader.held() == 0
 
 
-def test_a_reference_before_what_was_taken_is_a_protocol_error() -> None:
-    """Buffers are taken in order: a position behind the last one taken (a replay, or space
-    the sender may be writing again) is refused."""
+def test_a_reference_over_a_buffer_still_in_use_is_a_protocol_error() -> None:
+    """A frame naming chunks a lent tensor still holds (a replay, or a sender reusing space it
+    was not given back) is refused: two received tensors never share memory."""
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
-    data = pattern(1000, 0)
+    data = pattern(10_000, 0)
     position = writer.place(memoryview(data))
-    assert take(reader, position, 1000) == data
-    with pytest.raises(ProtocolError, match="outside the ring"):
-        reader.take(position, memoryview(bytearray(1000)))
+    held = reader.take(position, 10_000)
+    for at, n in ((position, 10_000), (position + 4096, 100), (0, 3 * 4096)):
+        with pytest.raises(ProtocolError, match="still in use"):
+            reader.take(at, n)
+    assert bytes(held) == data and reader.held() == 3
+    del held
+    assert take(reader, position, 10_000) == data  # (freed: the chunks may be named again)
 
 
-def test_the_sender_does_not_trust_an_impossible_counter() -> None:
-    """A receiver's counter ahead of what was placed (or behind what it said before) stops
-    the sender with a protocol error rather than overwriting what was not read."""
+def test_a_sender_takes_only_chunks_the_header_shows_free() -> None:
+    """The sender reads the chunks' bytes and nothing else: any byte but 0 (garbage from the
+    receiver included) keeps it off that chunk; it never overwrites one in use."""
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
-    writer.place(memoryview(pattern(1000, 0)))
-    reader._consumed.value = 10 * SIZE  # (the peer writes garbage)
-    with pytest.raises(ProtocolError, match="counter"):
-        writer.place(memoryview(pattern(1000, 1)))
+    reader._view[0 : SIZE // 4096 : 2] = b"\x07" * (SIZE // 8192)  # every other chunk
+    assert writer.place(memoryview(pattern(8192, 1))) == -1  # (two chunks: no run of two)
+    position = writer.place(memoryview(pattern(4096, 2)))
+    assert position == 4096
 
 
 def test_a_receiver_refuses_a_ring_it_cannot_safely_map() -> None:
@@ -178,7 +252,7 @@ def test_a_receiver_refuses_a_ring_it_cannot_safely_map() -> None:
     size than announced, or too small: refused before anything is mapped."""
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, _ring.HEADER_BYTES + SIZE)
+        os.ftruncate(fd, _ring.header_bytes(SIZE) + SIZE)
         with pytest.raises(ProtocolError, match="sealed"):
             _ring.RingReader(fd, SIZE)
     finally:
@@ -190,7 +264,7 @@ def test_a_receiver_refuses_a_ring_it_cannot_safely_map() -> None:
     writer.close_fd()
     fd = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, _ring.HEADER_BYTES + 4096)
+        os.ftruncate(fd, _ring.header_bytes(4096) + 4096)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         with pytest.raises(ProtocolError, match="unacceptable size"):
             _ring.RingReader(fd, 4096)
@@ -311,6 +385,30 @@ def test_connections_pass_rings_both_ways_and_buffers_arrive_bit_exact(
     through = 64 * 1024 + 100_000 + 70_000
     assert right.conn.bytes_through_ring == through
     assert left.conn.bytes_through_ring == through
+
+
+def test_a_frame_that_cannot_be_encoded_gives_back_what_it_placed(
+    pair: tuple[Side, Side], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buffers are placed before their frame is encoded; when encoding fails, their chunks are
+    freed again (the peer never heard of them) and the error reaches the caller."""
+    left, right = pair
+    assert _wait(lambda: left.conn._ring_out is not None)
+
+    def refuse(*args: object) -> list[bytes]:
+        raise ValueError("frame too large (test)")
+
+    real = _connection.encode_frame_placed
+    monkeypatch.setattr(_connection, "encode_frame_placed", refuse)
+    with pytest.raises(ValueError, match="too large"):
+        _send(left, [pattern(100_000, 1), pattern(70_000, 2)], 1)
+    ring = left.conn._ring_out
+    assert ring is not None and ring.chunks_in_use() == 0
+    monkeypatch.setattr(_connection, "encode_frame_placed", real)
+    data = pattern(100_000, 3)
+    _send(left, [data], 2)
+    (got,) = right.owner.wait_for(1)
+    assert bytes(got.buffers[0]) == bytes(data) and not right.owner.closed.is_set()
 
 
 def test_a_full_ring_sends_inline_and_order_is_kept(pair: tuple[Side, Side]) -> None:
@@ -479,7 +577,7 @@ def test_an_unsealed_ring_is_refused_and_drops_the_connection(
     side, peer = raw
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, _ring.HEADER_BYTES + SIZE)
+        os.ftruncate(fd, _ring.header_bytes(SIZE) + SIZE)
         _offer(peer, fd, SIZE)
     finally:
         os.close(fd)
@@ -584,9 +682,9 @@ class FakeRing:
 
     taken: list[tuple[int, int]] = field(default_factory=list)
 
-    def take(self, position: int, into: memoryview) -> None:
-        self.taken.append((position, into.nbytes))
-        into[:] = bytes([position % 251]) * into.nbytes
+    def take(self, position: int, n: int) -> memoryview:
+        self.taken.append((position, n))
+        return memoryview(bytearray([position % 251]) * n)
 
 
 def test_the_parser_takes_ring_buffers_in_place_and_the_rest_inline() -> None:

@@ -107,6 +107,9 @@ class TransportStatistics:
     bytes_read_directly: int = 0
     #: tensor bytes this worker took out of peers' shared-memory rings (same host)
     bytes_through_ring: int = 0
+    #: bytes of peers' rings this process's received tensors hold now (their storage lent
+    #: from the ring, freed as they die)
+    ring_bytes_lent: int = 0
     #: heartbeat ticks that found this process itself had not been running for more than a
     #: heartbeat interval (and so judged no peer's silence)
     stalls: int = 0

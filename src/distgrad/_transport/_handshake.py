@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 MAGIC = b"DGRD"
-PROTOCOL_VERSION = 3  # 3: shared-memory rings (frame kinds RING_OFFER, RING_ACCEPT)
+PROTOCOL_VERSION = 4  # 3: shared-memory rings (frame kinds RING_OFFER, RING_ACCEPT); 4: rings of
+# chunks, freed in any order (buffers lent to received tensors)
 _HELLO = struct.Struct("<4sHHIQ32s")
 _CHALLENGE = struct.Struct("<4sHHIQ32s32s")
 _PROOF_SIZE = 32

@@ -1,4 +1,4 @@
-"""A shared-memory ring per same-host connection direction: mid-size tensors copied once each way.
+"""A shared-memory ring per same-host connection direction: mid-size tensors copied once.
 
 Through a Unix socket a tensor is copied twice (into the kernel by ``sendmsg``, out of it by
 ``recv_into``) with system calls and socket-buffer bookkeeping on both sides. Direct reads
@@ -8,45 +8,55 @@ message loses too (fresh shmem pages are zeroed and faulted in one by one). So t
 each same-host connection direction makes *one* memfd, passes it to the receiver over the Unix
 socket (``SCM_RIGHTS``, after the authenticated handshake) and reuses it for the connection's
 life: its pages are faulted in once, at the first message that uses it. A buffer then costs
-one ``memmove`` into the ring on the sender and one out of it -- straight into the memory that
-becomes the received tensor's storage -- on the receiver; the frame on the socket carries the
-buffer's position instead of its bytes. No system call beyond the frame, no frame back: the
-receiver frees the space by advancing a counter in the ring's header.
+one ``memmove`` into the ring on the sender, and nothing on the receiver: the received tensor's
+storage *is* the buffer's place in the ring (it is *lent*), and its space is freed when that
+tensor dies. The frame on the socket carries the buffer's position instead of its bytes. No
+system call beyond the frame, no frame back. (``DISTGRAD_SHM_RING_LEND=0`` makes the receiver
+copy each buffer out and free its space at once instead.)
 
-Layout: a 4 KiB header (the consumer's counter, a little-endian u64 at offset 0, written only
-by the receiver), then ``size`` bytes of data. Positions are byte counts since the ring's
-start (monotonic, u64); a buffer lies at ``position % size`` and never wraps: one that does not
-fit before the end starts at the next lap (the gap counts as used until it is consumed).
+Layout: a header of one byte per 4 KiB *chunk* of data (rounded up to whole pages), then
+``size`` bytes of data. A buffer lies at a chunk's start (its position: a byte offset into the
+data) and takes whole chunks. A chunk's byte is 0 while it is free and 1 while a buffer holds
+it; the sender sets it (0 -> 1, when it places a buffer there), the receiver clears it (1 -> 0,
+when the buffer's tensor died, or at once after its copy) -- each transition has one writer.
+Buffers are freed in any order: a tensor the receiver keeps (a replay buffer, a gradient kept
+until its context is released) holds its chunks and no more; the sender places the next
+buffers in the first run of free chunks that fits (first fit: recently freed memory is the
+most likely still in a cache), and a buffer that finds none travels inline.
 
 Memory ordering, both directions:
 
 * sender -> receiver: the sender copies the buffer into the ring *before* it writes the frame
-  naming it; the receiver copies it out only *after* it read that frame. The socket write and
-  read pair is the barrier: the kernel queues and dequeues the frame under the socket's lock
-  (a release on the sending CPU, an acquire on the receiving one), so every store the sender
-  made before ``sendmsg`` is visible to the receiver after its ``recv`` returned the frame.
-* receiver -> sender: the receiver's loads (its copy out) must be done before the sender can
-  see the advanced counter and overwrite that space. On x86-64 (TSO) a load is never
-  reordered with a later store, and the copy and the counter's store are separate C calls,
-  so no compiler reorders them either. Elsewhere a full fence goes between them (libatomic's
-  ``atomic_thread_fence``); where none can be had, rings are not used. The sender's stores
-  into freed space depend on its load of the counter (it branches on it), so they cannot be
-  made visible before that load.
+  naming it; the receiver reads it only *after* it read that frame. The socket write and read
+  pair is the barrier: the kernel queues and dequeues the frame under the socket's lock (a
+  release on the sending CPU, an acquire on the receiving one), so every store the sender made
+  before ``sendmsg`` is visible to the receiver after its ``recv`` returned the frame.
+* receiver -> sender: the receiver's loads of a buffer (its tensor's last reads, or its copy
+  out) must be done before the sender can see the chunk's byte cleared and overwrite it. On
+  x86-64 (TSO) a load is never reordered with a later store, and the last reads and the
+  clearing store are separate C calls (the tensor's reads happened before its last reference
+  was dropped), so no compiler reorders them either. Elsewhere a full fence goes between them
+  (libatomic's ``atomic_thread_fence``); where none can be had, rings are not used. The
+  sender's stores into a freed chunk depend on its load of the chunk's byte (it branches on
+  it), so they cannot be made visible before that load.
 
 Trust: the receiver maps the ring only if the file is sealed against shrinking (a truncated
-file would make its reads fault), has the announced size, and the size is within bounds; it
-reads nothing from the header but its own counter, and checks every position and length a
-frame names against the ring and against what it consumed already (a buffer must lie after the
-last one, within one lap): anything else is a protocol error that drops the connection. The
-sender in turn checks the counter the receiver writes (between what it consumed and what was
-placed) and stops using a ring whose counter is impossible. A ring belongs to one connection:
-it is dropped with it, so nothing of a peer's old incarnation reaches a new one.
+file would make its reads fault), has the size its announced data size implies, and that size
+is within bounds. It reads nothing from the header; it keeps its own record of the chunks its
+lent tensors hold, and a frame naming a position off a chunk's start, past the ring's end, or
+over a chunk still held is a protocol error that drops the connection -- so two received
+tensors never share memory, whatever the sender writes. A lent tensor is memory the sender can
+still write to (the peer is authenticated and on the same host; a receiver that must not see
+its tensors change turns lending off). A ring belongs to one connection: it is dropped with it
+(its memory lives on while tensors lent from it do), so nothing of a peer's old incarnation
+reaches a new one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import platform
@@ -59,18 +69,27 @@ import threading
 import weakref
 from collections.abc import Callable
 
+import numpy
+
 from .. import _config
-from .._config import ENV_SHM_RING, env_flag
+from .._config import ENV_SHM_RING, ENV_SHM_RING_LEND, env_flag
 from .._errors import ProtocolError
 from ._memory import peer_pid
 
-__all__ = ["RingReader", "RingWriter", "available", "budget_used", "local_peer", "receive_fds"]
+__all__ = [
+    "RingReader",
+    "RingWriter",
+    "available",
+    "budget_used",
+    "lent_bytes",
+    "local_peer",
+    "receive_fds",
+]
 
-#: header bytes before the data (the consumer's counter at offset 0; page-aligned data)
-HEADER_BYTES = 4096
-#: buffers start at multiples of this (cache lines: whole-line copies)
-ALIGN = 64
-#: the sizes a receiver accepts for a ring (data bytes)
+#: bytes of data per chunk (a buffer takes whole chunks, from a chunk's start: page-aligned)
+CHUNK = 4096
+_CHUNK_SHIFT = 12
+#: the sizes a receiver accepts for a ring (data bytes, whole chunks)
 MIN_SIZE = 64 * 1024
 MAX_SIZE = 1 << 30
 #: the offer frame's payload: the ring's data size
@@ -161,26 +180,53 @@ def budget_used() -> int:
     return _budget_used
 
 
+#: bytes of ring chunks this process's received tensors hold now (lent by :class:`RingReader`)
+_lent = 0
+
+
+def _count_lent(nbytes: int) -> None:
+    global _lent
+    with _budget_lock:
+        _lent += nbytes
+
+
+def lent_bytes() -> int:
+    """Bytes of peers' rings that this process's received tensors hold now (whole chunks;
+    they are freed as those tensors die, also after their connection closed)."""
+    return _lent
+
+
+def header_bytes(size: int) -> int:
+    """Bytes of the header before ``size`` bytes of data: one per chunk, in whole pages."""
+    return max(4096, -(-(size // CHUNK) // 4096) * 4096)
+
+
+_ONES = b"\x01" * 4096
+
+
 class RingWriter:
     """The sending side: makes the ring, places buffers in it. Each ring counts against the
     process's ``SHM_RING_BUDGET`` while it lives: past it, making one raises ``ValueError``
     (the connection then offers none)."""
 
     def __init__(self, size: int) -> None:
-        if size < MIN_SIZE or size > MAX_SIZE or size % ALIGN:
-            raise ValueError(f"a ring holds {MIN_SIZE}..{MAX_SIZE} bytes, a multiple of {ALIGN}")
+        if size < MIN_SIZE or size > MAX_SIZE or size % CHUNK:
+            raise ValueError(
+                f"a ring holds {MIN_SIZE}..{MAX_SIZE} bytes, whole {CHUNK}-byte chunks"
+            )
         _reserve(size)
         try:
             fd = os.memfd_create("distgrad-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except BaseException:
             _give_back(size)
             raise
+        header = header_bytes(size)
         try:
-            os.ftruncate(fd, HEADER_BYTES + size)
+            os.ftruncate(fd, header + size)
             fcntl.fcntl(
                 fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
             )
-            self._map = mmap.mmap(fd, HEADER_BYTES + size)
+            self._map = mmap.mmap(fd, header + size)
         except BaseException:
             os.close(fd)
             _give_back(size)
@@ -191,11 +237,10 @@ class RingWriter:
         self.size = size
         #: the largest buffer placed here (larger ones go the other ways)
         self.limit = size // 2
+        self._header = header
+        self._chunks = size // CHUNK
         # (views of the mapping keep it mapped while they live: the ring unmaps when dropped)
         self._view = memoryview(self._map)
-        self._consumed = ctypes.c_uint64.from_buffer(self._map)
-        self._head = 0  # where the next buffer may start
-        self._tail = 0  # the consumer's counter as last read
         self._faulted = False
 
     def close_fd(self) -> None:
@@ -205,95 +250,128 @@ class RingWriter:
             os.close(fd)
 
     def place(self, view: memoryview) -> int:
-        """Copy ``view`` into free space and return its position; -1 when there is no room
-        (the buffer goes another way: a sender never waits for the receiver). Call under the
-        connection's lock, in the order the frames naming the buffers are written. Raises
-        ``ProtocolError`` when the receiver's counter is impossible."""
+        """Copy ``view`` (at most :attr:`limit` bytes) into the first run of free chunks that
+        holds it and return its position; -1 when there is none (the buffer goes another way:
+        a sender never waits for the receiver). Call under the connection's lock; the frame
+        naming the position must follow (or :meth:`unplace` it)."""
         n = view.nbytes
-        size = self.size
-        head = self._head
-        tail = self._consumed.value
-        if tail < self._tail or tail > head:
-            raise ProtocolError(
-                f"the peer's ring counter {tail} lies outside [{self._tail}, {head}]"
-            )
-        self._tail = tail
-        start = head % size
-        position = head if start + n <= size else head + (size - start)
-        end = position + n
-        if end - tail > size:
+        k = (n + CHUNK - 1) >> _CHUNK_SHIFT
+        # (the receiver only ever clears bytes: a free chunk seen here stays free)
+        at = self._map.find(bytes(k), 0, self._chunks)
+        if at < 0:
             return -1
         if not self._faulted:
             self._fault_in()
-        start = HEADER_BYTES + position % size
-        self._view[start : start + n] = view  # (a memcpy; cheaper than a foreign call here)
-        self._head = (end + ALIGN - 1) & ~(ALIGN - 1)
-        return position
+        view_ = self._view
+        view_[at : at + k] = _ONES[:k] if k <= 4096 else b"\x01" * k
+        start = self._header + (at << _CHUNK_SHIFT)
+        view_[start : start + n] = view  # (a memcpy; cheaper than a foreign call here)
+        return at << _CHUNK_SHIFT
+
+    def unplace(self, position: int, n: int) -> None:
+        """Free what :meth:`place` returned for a buffer whose frame was never written (the
+        receiver does not know of it, so this side may clear its chunks)."""
+        at = position >> _CHUNK_SHIFT
+        k = (n + CHUNK - 1) >> _CHUNK_SHIFT
+        self._view[at : at + k] = bytes(k)
+
+    def chunks_in_use(self) -> int:
+        """Chunks the receiver has not freed (its lent tensors', and those on their way)."""
+        return self._chunks - self._map[: self._chunks].count(0)
 
     def _fault_in(self) -> None:
         """Fault the ring's pages in, once (fresh shmem pages are zeroed one fault at a time)."""
         self._faulted = True
         try:
-            self._map.madvise(_MADV_POPULATE_WRITE, HEADER_BYTES, self.size)
+            self._map.madvise(_MADV_POPULATE_WRITE, self._header, self.size)
         except (OSError, ValueError):  # kernels before 5.14: touch every page
             view = self._view
-            for offset in range(HEADER_BYTES, HEADER_BYTES + self.size, 4096):
+            for offset in range(self._header, self._header + self.size, 4096):
                 view[offset] = 0
 
 
 class RingReader:
-    """The receiving side: maps the peer's ring, copies buffers out, frees their space."""
+    """The receiving side: maps the peer's ring, lends its buffers as received tensors' memory
+    (or copies them out), frees their space."""
 
-    def __init__(self, fd: int, announced: int) -> None:
+    def __init__(self, fd: int, announced: int, lend: bool | None = None) -> None:
         """Map the ring behind ``fd`` (the caller keeps and closes ``fd``); ``ProtocolError``
-        when it is not one this side can safely read."""
+        when it is not one this side can safely read. ``lend``: whether :meth:`take` lends
+        the ring's memory (default: unless ``DISTGRAD_SHM_RING_LEND=0``)."""
+        if announced < MIN_SIZE or announced > MAX_SIZE or announced % CHUNK:
+            raise ProtocolError(f"the ring offered has an unacceptable size {announced}")
         info = os.fstat(fd)
-        size = info.st_size - HEADER_BYTES
-        if not stat.S_ISREG(info.st_mode) or size != announced:
+        header = header_bytes(announced)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != header + announced:
             raise ProtocolError(f"the ring offered does not have its announced size {announced}")
-        if size < MIN_SIZE or size > MAX_SIZE or size % ALIGN:
-            raise ProtocolError(f"the ring offered has an unacceptable size {size}")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as exc:
             raise ProtocolError(f"the ring offered cannot be sealed: {exc}") from exc
         if not seals & fcntl.F_SEAL_SHRINK:
             raise ProtocolError("the ring offered is not sealed against shrinking")
-        self._map = mmap.mmap(fd, HEADER_BYTES + size)
-        self.size = size
+        self._map = mmap.mmap(fd, header + announced)
+        self.size = announced
+        self.lend = env_flag(ENV_SHM_RING_LEND, True) if lend is None else lend
+        self._header = header
         self._view = memoryview(self._map)
-        self._consumed = ctypes.c_uint64.from_buffer(self._map)
-        self._tail = 0  # one past the last byte consumed
+        #: this side's record of the chunks it holds (never read from the shared header)
+        self._held = bytearray(announced // CHUNK)
+        #: the lent buffers alive, by first chunk: the weak references that free them
+        self._lent: dict[int, weakref.ref[numpy.ndarray]] = {}
+        self._lock = threading.Lock()
         self._mapped = False
 
-    def take(self, position: int, into: memoryview) -> None:
-        """Copy the buffer at ``position`` (``into.nbytes`` long) into ``into`` and free its
-        space; ``ProtocolError`` when the frame's values do not name a buffer of this ring
-        that follows the last one taken."""
-        n = into.nbytes
-        size = self.size
-        tail = self._tail
-        start = position % size
-        if (
-            n <= 0
-            or position < tail
-            or position - tail >= size
-            or start + n > size
-            or position + n - tail > size
-        ):
+    def take(self, position: int, n: int) -> memoryview:
+        """The ``n``-byte buffer at ``position``, as a writable byte view whose array (numpy's,
+        so that a received tensor takes it as its storage) holds the buffer's chunks until it
+        dies -- or, when not lending, a copy, the chunks freed at once. ``ProtocolError`` when
+        the frame's values do not name a buffer of this ring that lies over free chunks."""
+        if n <= 0 or position < 0 or position & (CHUNK - 1) or position + n > self.size:
             raise ProtocolError(
                 f"a ring reference ({n} bytes at {position}) lies outside the ring "
-                f"({size} bytes, {tail} consumed)"
+                f"({self.size} bytes of {CHUNK}-byte chunks)"
             )
+        at = position >> _CHUNK_SHIFT
+        end = (position + n + CHUNK - 1) >> _CHUNK_SHIFT
+        held = self._held
+        with self._lock:
+            if held.find(1, at, end) >= 0:
+                raise ProtocolError(
+                    f"a ring reference ({n} bytes at {position}) overlaps a buffer still in use"
+                )
+            held[at:end] = _ONES[: end - at] if end - at <= 4096 else b"\x01" * (end - at)
         if not self._mapped:
             self._mapped = True
             try:  # (the sender faulted the pages in: map them all at once)
-                self._map.madvise(_MADV_POPULATE_READ, HEADER_BYTES, size)
+                self._map.madvise(_MADV_POPULATE_READ, self._header, self.size)
             except (OSError, ValueError):
                 pass
-        start += HEADER_BYTES
-        into[:] = self._view[start : start + n]
-        self._tail = position + n
+        start = self._header + position
+        if self.lend:
+            array = numpy.frombuffer(self._view[start : start + n], dtype=numpy.uint8)
+            self._lent[at] = weakref.ref(array, functools.partial(self._died, at, end))
+            _count_lent((end - at) << _CHUNK_SHIFT)
+            return memoryview(array)  # type: ignore[arg-type]
+        out = numpy.empty(n, dtype=numpy.uint8)
+        copy = memoryview(out)  # type: ignore[arg-type]
+        copy[:] = self._view[start : start + n]
+        self._free(at, end)
+        return copy
+
+    def held(self) -> int:
+        """Chunks this side holds now (those of the lent buffers alive)."""
+        return len(self._held) - self._held.count(0)
+
+    def _died(self, at: int, end: int, _ref: object) -> None:
+        self._lent.pop(at, None)
+        self._free(at, end)
+        _count_lent(-((end - at) << _CHUNK_SHIFT))
+
+    def _free(self, at: int, end: int) -> None:
         if _fence is not None:
-            _fence()  # the copy's loads before the counter's store (see the module's docstring)
-        self._consumed.value = position + n
+            _fence()  # the buffer's loads before the clearing store (see the module's docstring)
+        zeros = bytes(end - at)
+        with self._lock:
+            self._view[at:end] = zeros
+            self._held[at:end] = zeros

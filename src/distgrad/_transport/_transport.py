@@ -38,6 +38,7 @@ from .._errors import (
     RpcShutdownError,
 )
 from .._wire._frames import Frame, Kind, encode_frame
+from . import _ring
 from ._accepting import Accepting
 from ._base import (
     FrameHandler,
@@ -387,6 +388,7 @@ class SocketTransport:
             + sum(c.bytes_read_directly for c in list(self._conns)),
             bytes_through_ring=self._bytes_through_ring
             + sum(c.bytes_through_ring for c in list(self._conns)),
+            ring_bytes_lent=_ring.lent_bytes(),
             stalls=self._judge.stalls,
         )
 

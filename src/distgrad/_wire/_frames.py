@@ -190,9 +190,10 @@ RemoteReader = Callable[[int, memoryview], None]
 
 
 class RingSource(Protocol):
-    """Copies a buffer out of a connection's ring (``distgrad._transport._ring.RingReader``)."""
+    """Hands out a buffer of a connection's ring (``distgrad._transport._ring.RingReader``):
+    the ring's memory itself, lent until the view's array dies, or a copy."""
 
-    def take(self, position: int, into: memoryview) -> None: ...
+    def take(self, position: int, n: int) -> memoryview: ...
 
 
 class FrameParser:
@@ -200,8 +201,8 @@ class FrameParser:
 
     ``read_remote`` fetches buffers a frame left in the sender's memory; without it such a
     frame is a protocol error. :attr:`read_ring` (set once the connection mapped the peer's
-    ring) copies a buffer out of the ring; a frame naming ring slots before then is a protocol
-    error too.
+    ring) hands out a buffer of the ring (lent or copied); a frame naming ring slots before
+    then is a protocol error too.
     """
 
     def __init__(
@@ -216,7 +217,7 @@ class FrameParser:
         self._max = max_message_size
         self._read_remote = read_remote
         self._refs: tuple[int, list[int]] | None = None  # (transfer id, addresses)
-        #: copies the buffer at a ring position into the memory given (None: no ring)
+        #: hands out the buffer at a ring position (None: no ring)
         self.read_ring: RingSource | None = None
         self._slots: list[int] | None = None  # the frame's ring positions + 1 (0: not there)
         self.bytes_from_ring = 0
@@ -474,8 +475,7 @@ class FrameParser:
         ring = self.read_ring
         if ring is None:  # (dropped with the connection meanwhile)
             raise ProtocolError("frame refers to a shared-memory ring that was dropped")
-        buf = allocate_buffer(n)
-        ring.take(position, buf)
+        buf = ring.take(position, n)
         self.bytes_from_ring += n
         return buf
 
