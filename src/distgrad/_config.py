@@ -81,14 +81,16 @@ RECV_STAGING_SIZE: int = 256 * 1024
 #: Below it the socket is as fast or faster: its two copies overlap (sender and receiver on
 #: two cores) while the socket buffer (4 MiB) takes the whole message at once (measured echo,
 #: reads vs socket: 1 MiB 0.96 vs 0.86 ms, 4 MiB 2.36 vs 2.75 ms, 8 MiB 4.05 vs 4.76 ms).
+#: Where the connection has a shared-memory ring, buffers the ring can hold (up to half its
+#: size) go through it even past this threshold: one copy and nothing back beats a read.
 CROSS_MEMORY_THRESHOLD: int = int(
     os.environ.get("DISTGRAD_CROSS_MEMORY_THRESHOLD", "") or 4 * 1024 * 1024
 )
 #: Each same-host connection direction has a shared-memory ring of this many bytes (a memfd
 #: the sender creates and passes over the Unix socket; its pages are faulted in once, at the
 #: first message that uses it); tensor buffers from ``SHM_RING_THRESHOLD`` bytes up to half the
-#: ring go through it -- one copy in, one copy out, no system call beyond the frame -- unless
-#: they go by direct read (``CROSS_MEMORY_THRESHOLD``). See ``distgrad._transport._ring``.
+#: ring go through it -- one copy in, none out (the received tensor's storage is lent from the
+#: ring until it dies), no system call beyond the frame. See ``distgrad._transport._ring``.
 SHM_RING_SIZE: int = int(os.environ.get(ENV_SHM_RING_SIZE, "") or 8 * 1024 * 1024)
 SHM_RING_THRESHOLD: int = int(os.environ.get(ENV_SHM_RING_THRESHOLD, "") or 64 * 1024)
 #: A process makes rings for its connections while they add up to at most this many bytes (32

@@ -272,7 +272,8 @@ def direct_reads_program(rank: int, world_size: int) -> dict[str, int] | str:
         return "served"
     mine, theirs = transport_statistics(), rpc.rpc_sync("worker1", transport_statistics)
     gen = torch.Generator().manual_seed(0)
-    big = torch.randn(1 << 20, generator=gen)  # 4 MiB: by reference where reads work
+    # past 4 MiB and past the default ring's limit (half its 8 MiB): by reference where reads work
+    big = torch.randn((1 << 20) + 4096, generator=gen)
     small = torch.randn(100, generator=gen)  # inline
     view = torch.randn(2048, 600, generator=gen).t()  # 4.7 MiB, sent as the view it is
     back = rpc.rpc_sync("worker1", echo, ((big, small, [view]),))
@@ -314,9 +315,10 @@ NO_READS = "this host does not let sibling processes read each other's memory"
     "reads", [pytest.param("on", marks=needs(None if _reads_possible() else NO_READS)), "off"]
 )
 def test_large_tensors_between_same_host_workers_are_read_directly(reads: str) -> None:
-    """Between workers on one host, tensors of 4 MiB and more are read from the sender's memory
-    (one copy, not two through the socket): with that on, each worker read them directly; with
-    DISTGRAD_CROSS_MEMORY=0 everything goes through the socket. Results are identical."""
+    """Between workers on one host, tensors of 4 MiB and more that the shared-memory ring cannot
+    hold are read from the sender's memory (one copy, not two through the socket): with that on,
+    each worker read them directly; with DISTGRAD_CROSS_MEMORY=0 everything goes through the
+    socket. Results are identical."""
     env = {"DISTGRAD_CROSS_MEMORY": "0"} if reads == "off" else {}
     results = run_workers(direct_reads_program, 2, timeout=60, env=env)
     assert results[1] == "served"
@@ -325,6 +327,6 @@ def test_large_tensors_between_same_host_workers_are_read_directly(reads: str) -
     if reads == "off":
         assert read == {"worker0": 0, "worker1": 0}
         return
-    big, view, doubled = 4 << 20, 2048 * 600 * 4, 8 * 1_100_000 * 4
+    big, view, doubled = ((1 << 20) + 4096) * 4, 2048 * 600 * 4, 8 * 1_100_000 * 4
     # worker1 read the requests' tensors and worker0 the replies' (the small one went inline)
     assert read == {"worker0": 2 * big + view + doubled, "worker1": 2 * big + view + doubled}

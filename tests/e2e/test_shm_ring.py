@@ -26,7 +26,7 @@ from tests._tensors import DTYPES, random_tensor, same_bits
 
 pytestmark = [pytest.mark.timeout(120), needs(None if _ring.available() else "no memfd rings")]
 
-#: the issue's mid sizes, and 4 MiB (by direct read where the kernel allows it, else the ring)
+#: the issue's mid sizes, and 4 MiB (the most the default ring holds: through it, not read directly)
 SIZES = [64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024]
 
 

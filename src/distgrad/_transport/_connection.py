@@ -397,14 +397,21 @@ class Connection:
         buffers: list[pickle.PickleBuffer],
         flags: int,
     ) -> None:
-        """:meth:`send_frame` where our ring is in use: buffers of the ring's sizes are copied
-        into it (those it has room for; the rest travel inline), large ones go by reference as
-        usual. The copies and the write happen under the lock, so buffers lie in the ring in
-        the order their frames are written -- the order the peer frees them in."""
+        """:meth:`send_frame` where our ring is in use: buffers of the ring's sizes (up to its
+        limit, also those past ``CROSS_MEMORY_THRESHOLD``: the ring costs one copy and no frame
+        back, a direct read a system call and a ``RELEASE``) are copied into it, those it has
+        no room for travel inline; larger ones go by reference as usual. Placing happens under
+        the lock (one placer at a time over the chunks' bytes), before the frame naming the
+        buffers is written."""
         views = [b.raw() for b in buffers]
         by_reference = self._by_reference
+        ring_out = self._ring_out  # (buffers it can hold go there: one copy, none back)
+        near = ring_out.limit if ring_out is not None else -1
         far = [
-            by_reference and v.nbytes >= CROSS_MEMORY_THRESHOLD and _memory.readable(v)
+            by_reference
+            and v.nbytes >= CROSS_MEMORY_THRESHOLD
+            and v.nbytes > near
+            and _memory.readable(v)
             for v in views
         ]
         transfer = -1
