@@ -98,6 +98,7 @@ def test_a_lent_buffer_is_the_tensors_memory_and_is_freed_when_the_tensor_dies()
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
     assert reader.lend
+    reader.lend_cap = SIZE // _ring.CHUNK  # (lend all of it here; the cap has its own test)
     datas = [pattern(64 * 1024, i) for i in range(3)]
     tensors = []
     for data in datas:
@@ -126,6 +127,29 @@ def test_a_lent_buffer_is_the_tensors_memory_and_is_freed_when_the_tensor_dies()
     assert reader.held() == writer.chunks_in_use() == 0
 
 
+def test_at_most_half_the_ring_is_lent_and_past_it_buffers_are_copied() -> None:
+    """Tensors kept for long hold at most half the ring (``lend_cap``): a buffer that would
+    pass it is copied out and its chunks freed at once, so the other half always carries the
+    traffic; once a lent tensor dies, lending resumes."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    assert reader.lend_cap == SIZE // _ring.CHUNK // 2
+    sent = [pattern(SIZE // 4, i) for i in (0, 1)]
+    kept = [reader.take(writer.place(memoryview(data)), len(data)) for data in sent]
+    assert reader.held() == reader.lend_cap  # half the ring lent
+    for i in range(8):  # the traffic goes on through the other half, copied out
+        data = pattern(SIZE // 4, 10 + i)
+        position = writer.place(memoryview(data))
+        assert position >= SIZE // 2
+        copy = reader.take(position, len(data))
+        assert bytes(copy) == bytes(data) and reader.held() == reader.lend_cap
+    assert [bytes(k) for k in kept] == [bytes(data) for data in sent]
+    del kept[0]
+    data = pattern(SIZE // 4, 99)
+    lent = reader.take(writer.place(memoryview(data)), len(data))
+    assert reader.held() == reader.lend_cap and bytes(lent) == bytes(data)
+
+
 def test_a_receiver_that_does_not_lend_copies_and_frees_at_once() -> None:
     """With lending off (``DISTGRAD_SHM_RING_LEND=0``), a buffer is copied out and its space
     freed before it is handed out: what the sender writes there next does not change it."""
@@ -150,6 +174,7 @@ def test_a_full_ring_refuses_until_the_receiver_frees() -> None:
     waits); once one died, its space is free again."""
     writer = _ring.RingWriter(SIZE)
     reader = passed(writer)
+    reader.lend_cap = SIZE // _ring.CHUNK  # (lend all of it)
     first, second = pattern(SIZE // 2, 1), pattern(SIZE // 2, 2)
     p1 = writer.place(memoryview(first))
     p2 = writer.place(memoryview(second))

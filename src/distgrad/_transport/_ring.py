@@ -20,7 +20,9 @@ data) and takes whole chunks. A chunk's byte is 0 while it is free and 1 while a
 it; the sender sets it (0 -> 1, when it places a buffer there), the receiver clears it (1 -> 0,
 when the buffer's tensor died, or at once after its copy) -- each transition has one writer.
 Buffers are freed in any order: a tensor the receiver keeps (a replay buffer, a gradient kept
-until its context is released) holds its chunks and no more; the sender places the next
+until its context is released) holds its chunks and no more, and at most half the ring is lent
+at once (past that, buffers are copied out and freed at once: tensors kept for long never take
+the whole ring from the traffic); the sender places the next
 buffers in the first run of free chunks that fits (first fit: recently freed memory is the
 most likely still in a cache), and a buffer that finds none travels inline.
 
@@ -319,14 +321,20 @@ class RingReader:
         self._held = bytearray(announced // CHUNK)
         #: the lent buffers alive, by first chunk: the weak references that free them
         self._lent: dict[int, weakref.ref[numpy.ndarray]] = {}
+        #: chunks lent now, and the most that may be: half the ring, so that tensors kept for
+        #: long (a parameter server's, a replay buffer's) leave the other half to the traffic
+        #: -- buffers past it are copied out and freed at once
+        self._lent_chunks = 0
+        self.lend_cap = announced // CHUNK // 2
         self._lock = threading.Lock()
         self._mapped = False
 
     def take(self, position: int, n: int) -> memoryview:
         """The ``n``-byte buffer at ``position``, as a writable byte view whose array (numpy's,
         so that a received tensor takes it as its storage) holds the buffer's chunks until it
-        dies -- or, when not lending, a copy, the chunks freed at once. ``ProtocolError`` when
-        the frame's values do not name a buffer of this ring that lies over free chunks."""
+        dies -- or, when not lending (or when :attr:`lend_cap` chunks are lent already), a
+        copy, the chunks freed at once. ``ProtocolError`` when the frame's values do not name a
+        buffer of this ring that lies over free chunks."""
         if n <= 0 or position < 0 or position & (CHUNK - 1) or position + n > self.size:
             raise ProtocolError(
                 f"a ring reference ({n} bytes at {position}) lies outside the ring "
@@ -341,6 +349,9 @@ class RingReader:
                     f"a ring reference ({n} bytes at {position}) overlaps a buffer still in use"
                 )
             held[at:end] = _ONES[: end - at] if end - at <= 4096 else b"\x01" * (end - at)
+            lend = self.lend and self._lent_chunks + end - at <= self.lend_cap
+            if lend:
+                self._lent_chunks += end - at
         if not self._mapped:
             self._mapped = True
             try:  # (the sender faulted the pages in: map them all at once)
@@ -348,7 +359,7 @@ class RingReader:
             except (OSError, ValueError):
                 pass
         start = self._header + position
-        if self.lend:
+        if lend:
             array = numpy.frombuffer(self._view[start : start + n], dtype=numpy.uint8)
             self._lent[at] = weakref.ref(array, functools.partial(self._died, at, end))
             _count_lent((end - at) << _CHUNK_SHIFT)
@@ -365,13 +376,15 @@ class RingReader:
 
     def _died(self, at: int, end: int, _ref: object) -> None:
         self._lent.pop(at, None)
-        self._free(at, end)
+        self._free(at, end, lent=True)
         _count_lent(-((end - at) << _CHUNK_SHIFT))
 
-    def _free(self, at: int, end: int) -> None:
+    def _free(self, at: int, end: int, lent: bool = False) -> None:
         if _fence is not None:
             _fence()  # the buffer's loads before the clearing store (see the module's docstring)
         zeros = bytes(end - at)
         with self._lock:
             self._view[at:end] = zeros
             self._held[at:end] = zeros
+            if lent:
+                self._lent_chunks -= end - at
