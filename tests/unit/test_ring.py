@@ -49,7 +49,8 @@ def pattern(n: int, seed: int) -> bytearray:
 
 
 def passed(writer: _ring.RingWriter) -> _ring.RingReader:
-    """The reader's side of ``writer``, its memfd passed over a real Unix socket pair."""
+    """The reader's side of ``writer``, its memfd passed over a real Unix socket pair; it lends
+    buffers of any size (by default only from ``LEND_FROM``)."""
     a, b = socket.socketpair()
     try:
         assert writer.fd is not None
@@ -58,7 +59,9 @@ def passed(writer: _ring.RingWriter) -> _ring.RingReader:
         assert _ring.receive_fds(b, memoryview(bytearray(8)), fds) == 1
         assert len(fds) == 1 and fds[0] != writer.fd
         try:
-            return _ring.RingReader(fds[0], writer.size)
+            reader = _ring.RingReader(fds[0], writer.size)
+            reader.lend_from = 1  # (this file's buffers are small: lend them all)
+            return reader
         finally:
             os.close(fds[0])
     finally:
@@ -148,6 +151,21 @@ def test_at_most_half_the_ring_is_lent_and_past_it_buffers_are_copied() -> None:
     data = pattern(SIZE // 4, 99)
     lent = reader.take(writer.place(memoryview(data)), len(data))
     assert reader.held() == reader.lend_cap and bytes(lent) == bytes(data)
+
+
+def test_buffers_under_the_lending_size_are_copied() -> None:
+    """By default a buffer under ``LEND_FROM`` is copied out and its chunks freed at once (a
+    copy costs as much as lending there); one of that size is lent."""
+    writer = _ring.RingWriter(4 * _ring.LEND_FROM)
+    reader = passed(writer)
+    reader.lend_from = _ring.LEND_FROM
+    small, large = pattern(_ring.LEND_FROM - 1, 1), pattern(_ring.LEND_FROM, 2)
+    copy = reader.take(writer.place(memoryview(small)), len(small))
+    assert reader.held() == 0 and bytes(copy) == bytes(small)
+    lent = reader.take(writer.place(memoryview(large)), len(large))
+    assert reader.held() == _ring.LEND_FROM // _ring.CHUNK and bytes(lent) == bytes(large)
+    del lent
+    assert reader.held() == 0
 
 
 def test_a_receiver_that_does_not_lend_copies_and_frees_at_once() -> None:

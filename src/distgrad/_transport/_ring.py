@@ -8,11 +8,12 @@ message loses too (fresh shmem pages are zeroed and faulted in one by one). So t
 each same-host connection direction makes *one* memfd, passes it to the receiver over the Unix
 socket (``SCM_RIGHTS``, after the authenticated handshake) and reuses it for the connection's
 life: its pages are faulted in once, at the first message that uses it. A buffer then costs
-one ``memmove`` into the ring on the sender, and nothing on the receiver: the received tensor's
-storage *is* the buffer's place in the ring (it is *lent*), and its space is freed when that
-tensor dies. The frame on the socket carries the buffer's position instead of its bytes. No
-system call beyond the frame, no frame back. (``DISTGRAD_SHM_RING_LEND=0`` makes the receiver
-copy each buffer out and free its space at once instead.)
+one ``memmove`` into the ring on the sender, and -- from 256 KiB (:data:`LEND_FROM`) --
+nothing on the receiver: the received tensor's storage *is* the buffer's place in the ring (it
+is *lent*), and its space is freed when that tensor dies (smaller buffers are copied out, as
+cheap there, and freed at once). The frame on the socket carries the buffer's position instead
+of its bytes. No system call beyond the frame, no frame back. (``DISTGRAD_SHM_RING_LEND=0``
+makes the receiver copy each buffer out and free its space at once instead.)
 
 Layout: a header of one byte per 4 KiB *chunk* of data (rounded up to whole pages), then
 ``size`` bytes of data. A buffer lies at a chunk's start (its position: a byte offset into the
@@ -94,6 +95,11 @@ _CHUNK_SHIFT = 12
 #: the sizes a receiver accepts for a ring (data bytes, whole chunks)
 MIN_SIZE = 64 * 1024
 MAX_SIZE = 1 << 30
+#: buffers from this size are lent; smaller ones are copied out, which costs as much as lending
+#: (a weak reference and its callback) there, and holds no ring space (measured, 2 processes,
+#: echo round trip: 64 KiB 219-237 µs lent vs 222-224 copied, 128 KiB 232-244 vs 229-234,
+#: 256 KiB 239-243 vs 247-251)
+LEND_FROM = 256 * 1024
 #: the offer frame's payload: the ring's data size
 OFFER = struct.Struct("<Q")
 #: room for the descriptors one read may bring (one is expected; more are closed)
@@ -326,15 +332,17 @@ class RingReader:
         #: -- buffers past it are copied out and freed at once
         self._lent_chunks = 0
         self.lend_cap = announced // CHUNK // 2
+        #: the smallest buffer lent (:data:`LEND_FROM`)
+        self.lend_from = LEND_FROM
         self._lock = threading.Lock()
         self._mapped = False
 
     def take(self, position: int, n: int) -> memoryview:
         """The ``n``-byte buffer at ``position``, as a writable byte view whose array (numpy's,
         so that a received tensor takes it as its storage) holds the buffer's chunks until it
-        dies -- or, when not lending (or when :attr:`lend_cap` chunks are lent already), a
-        copy, the chunks freed at once. ``ProtocolError`` when the frame's values do not name a
-        buffer of this ring that lies over free chunks."""
+        dies -- or, when not lending (a buffer under :attr:`lend_from`, or :attr:`lend_cap`
+        chunks lent already), a copy, the chunks freed at once. ``ProtocolError`` when the
+        frame's values do not name a buffer of this ring that lies over free chunks."""
         if n <= 0 or position < 0 or position & (CHUNK - 1) or position + n > self.size:
             raise ProtocolError(
                 f"a ring reference ({n} bytes at {position}) lies outside the ring "
@@ -349,7 +357,9 @@ class RingReader:
                     f"a ring reference ({n} bytes at {position}) overlaps a buffer still in use"
                 )
             held[at:end] = _ONES[: end - at] if end - at <= 4096 else b"\x01" * (end - at)
-            lend = self.lend and self._lent_chunks + end - at <= self.lend_cap
+            lend = (
+                self.lend and n >= self.lend_from and self._lent_chunks + end - at <= self.lend_cap
+            )
             if lend:
                 self._lent_chunks += end - at
         if not self._mapped:
