@@ -168,6 +168,33 @@ def test_buffers_under_the_lending_size_are_copied() -> None:
     assert reader.held() == 0
 
 
+def test_a_forked_child_dropping_a_lent_tensor_does_not_free_it() -> None:
+    """A child forked while a tensor is lent shares the ring's mapping and has a copy of the
+    tensor: when the child drops its copy, the chunks stay in use -- the parent's tensor still
+    lives there and the sender must not write over it."""
+    writer = _ring.RingWriter(SIZE)
+    reader = passed(writer)
+    data = pattern(100_000, 1)
+    tensor = torch.frombuffer(
+        reader.take(writer.place(memoryview(data)), len(data)), dtype=torch.uint8
+    )
+    pid = os.fork()
+    if pid == 0:  # the child: drop its copy of the tensor, then leave without clean-up
+        try:
+            del tensor
+            gc.collect()
+            os._exit(0 if reader.held() == 25 and _ring.lent_bytes() == 0 else 1)
+        finally:
+            os._exit(2)
+    _pid, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert writer.chunks_in_use() == reader.held() == 25  # (still the parent's)
+    assert writer.place(memoryview(pattern(SIZE - 100_000, 2))) == -1
+    assert bytes(tensor.numpy()) == bytes(data)
+    del tensor
+    assert writer.chunks_in_use() == reader.held() == 0
+
+
 def test_a_receiver_that_does_not_lend_copies_and_frees_at_once() -> None:
     """With lending off (``DISTGRAD_SHM_RING_LEND=0``), a buffer is copied out and its space
     freed before it is handed out: what the sender writes there next does not change it."""

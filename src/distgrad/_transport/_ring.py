@@ -190,6 +190,21 @@ def budget_used() -> int:
 
 #: bytes of ring chunks this process's received tensors hold now (lent by :class:`RingReader`)
 _lent = 0
+#: how many forks lie between the first process and this one: a reader frees chunks only in
+#: the process that mapped it. A forked child shares the mapping and a copy of every lent
+#: tensor, and dropping its copy must not free what the parent's tensor still uses (the
+#: sender would write over it).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks, _lent
+    _forks += 1
+    _lent = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _count_lent(nbytes: int) -> None:
@@ -336,6 +351,7 @@ class RingReader:
         self.lend_from = LEND_FROM
         self._lock = threading.Lock()
         self._mapped = False
+        self._fork = _forks  # (the process that may free: see ``_forks``)
 
     def take(self, position: int, n: int) -> memoryview:
         """The ``n``-byte buffer at ``position``, as a writable byte view whose array (numpy's,
@@ -385,6 +401,8 @@ class RingReader:
         return len(self._held) - self._held.count(0)
 
     def _died(self, at: int, end: int, _ref: object) -> None:
+        if self._fork != _forks:  # (a forked child's copy of the tensor: the parent's frees)
+            return
         self._lent.pop(at, None)
         self._free(at, end, lent=True)
         _count_lent(-((end - at) << _CHUNK_SHIFT))
