@@ -102,6 +102,15 @@ def ring_lent() -> int:
     return int(dataclasses.asdict(rpc._get_current_rpc_agent().statistics())["ring_bytes_lent"])
 
 
+def ring_lent_exported() -> float:
+    """``distgrad_transport_ring_bytes_lent`` as the metrics endpoint would serve it."""
+    from distgrad._observe._exposition import prometheus_text, snapshot
+
+    text = prometheus_text(snapshot(rpc._get_current_rpc_agent()))
+    (line,) = [x for x in text.splitlines() if x.startswith("distgrad_transport_ring_bytes_lent")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def kept_program(rank: int, world_size: int) -> dict[str, Any] | str:
     if rank != 0:
         return "served"
@@ -113,6 +122,7 @@ def kept_program(rank: int, world_size: int) -> dict[str, Any] | str:
     for t in kept:
         rpc.rpc_sync("worker1", keep, (t,))
     lent_kept = rpc.rpc_sync("worker1", ring_lent)
+    exported = rpc.rpc_sync("worker1", ring_lent_exported)
     before = rpc.rpc_sync("worker1", ring_bytes)
     exact = []
     for i in range(40):  # 40 MiB more each way through the 8 MiB rings: 5 laps' worth
@@ -123,6 +133,7 @@ def kept_program(rank: int, world_size: int) -> dict[str, Any] | str:
         "exact": exact,
         "intact": rpc.rpc_sync("worker1", kept_intact),
         "lent_kept": lent_kept,
+        "exported": exported,
         "through": through,
         "lent_after": rpc.rpc_sync("worker1", drop_kept),
     }
@@ -137,6 +148,7 @@ def test_tensors_a_worker_keeps_are_never_overwritten_and_hold_only_their_own_sp
     assert all(out["exact"]), out["exact"]
     assert out["intact"] == [True, True, True], out
     assert out["lent_kept"] >= 3 * 1024 * 1024, out
+    assert out["exported"] == out["lent_kept"], out  # (the metrics endpoint's gauge)
     assert out["through"] >= 30 * 1024 * 1024, out  # (not pushed to the socket by the kept)
     assert out["lent_after"] == 0, out
 

@@ -102,6 +102,9 @@ def snapshot(agent: RpcAgent) -> dict[str, Any]:
             "handshakes_failed": transport.handshakes_failed if transport else 0,
             "protocol_errors": transport.protocol_errors if transport else 0,
             "stalls": transport.stalls if transport else 0,
+            "bytes_through_ring": transport.bytes_through_ring if transport else 0,
+            "bytes_read_directly": transport.bytes_read_directly if transport else 0,
+            "ring_bytes_lent": transport.ring_bytes_lent if transport else 0,
         },
         "layers": dict(stats.layers),
         "process": _memory(),
@@ -308,6 +311,9 @@ def prometheus_text(snap: dict[str, Any]) -> str:
         ("handshakes_failed", "counter", "handshakes refused (wrong secret, bad peer)"),
         ("protocol_errors", "counter", "connections dropped for a protocol error"),
         ("stalls", "counter", "heartbeat ticks that found this process stalled"),
+        ("bytes_through_ring", "counter", "tensor bytes taken from peers' shared-memory rings"),
+        ("bytes_read_directly", "counter", "tensor bytes read straight from peers' memory"),
+        ("ring_bytes_lent", "gauge", "bytes of peers' rings that received tensors hold now"),
     ):
         out.add(f"distgrad_transport_{key}", kind, help_, me, t[key])
     for key, value in sorted(snap["layers"].items()):
