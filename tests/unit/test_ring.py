@@ -500,13 +500,31 @@ def test_a_full_ring_sends_inline_and_order_is_kept(pair: tuple[Side, Side]) -> 
 
 
 def test_a_closed_connection_drops_its_rings(pair: tuple[Side, Side]) -> None:
+    """Both sides drop their rings with the connection; a tensor lent from one lives on (its
+    memory stays mapped, intact) and dies later without harm."""
     left, right = pair
     assert _wait(lambda: left.conn._ring_out is not None and right.conn._ring_out is not None)
+    reader = right.conn._parser.read_ring
+    assert isinstance(reader, _ring.RingReader)
+    reader.lend_from = 1  # (this ring is small)
+    data = pattern(100_000, 5)
+    _send(left, [data], 1)
+    (got,) = right.owner.wait_for(1)
+    gc.collect()  # (what other tests left lent dies now, not in the middle of this one)
+    lent = _ring.lent_bytes()
+    assert lent >= 25 * _ring.CHUNK
+    tensor = torch.frombuffer(got.buffers[0], dtype=torch.uint8)
+    right.owner.frames.clear()
+    del got
     left.conn.close()
     assert left.owner.closed.wait(5)
     assert left.conn._ring_out is None and left.conn._parser.read_ring is None
     assert right.owner.closed.wait(5)  # the peer's EOF
     assert right.conn._parser.read_ring is None
+    gc.collect()
+    assert bytes(tensor.numpy()) == bytes(data) and _ring.lent_bytes() == lent
+    del tensor
+    assert _ring.lent_bytes() == lent - 25 * _ring.CHUNK
 
 
 def test_a_side_with_rings_off_says_so_and_buffers_go_inline(
