@@ -521,7 +521,8 @@ def test_a_closed_connection_drops_its_rings(pair: tuple[Side, Side]) -> None:
     assert left.conn._ring_out is None and left.conn._parser.read_ring is None
     assert right.owner.closed.wait(5)  # the peer's EOF
     assert right.conn._parser.read_ring is None
-    gc.collect()
+    del reader
+    gc.collect()  # (the reader is gone but for what its tensor needs)
     assert bytes(tensor.numpy()) == bytes(data) and _ring.lent_bytes() == lent
     del tensor
     assert _ring.lent_bytes() == lent - 25 * _ring.CHUNK

@@ -429,22 +429,22 @@ class Connection:
         def place() -> list[Piece]:  # (under the lock)
             ring = self._ring_out
             slots = [0] * len(views)
-            if ring is not None:
-                low, high = _RING_LOW, ring.limit
-                for i, view in enumerate(views):
-                    if low <= view.nbytes <= high and not far[i]:
-                        slots[i] = ring.place(view) + 1  # (0: no room: inline)
-            if addresses is not None or any(slots):
-                try:
+            try:
+                if ring is not None:
+                    low, high = _RING_LOW, ring.limit
+                    for i, view in enumerate(views):
+                        if low <= view.nbytes <= high and not far[i]:
+                            slots[i] = ring.place(view) + 1  # (0: no room: inline)
+                if addresses is not None or any(slots):
                     return encode_frame_placed(
                         kind, message_id, meta, views, flags, slots, transfer, addresses
                     )
-                except BaseException:  # (no frame will name them: free what was placed)
-                    if ring is not None:
-                        for slot, view in zip(slots, views, strict=True):
-                            if slot:
-                                ring.unplace(slot - 1, view.nbytes)
-                    raise
+            except BaseException:  # (no frame will name them: free what was placed)
+                if ring is not None:
+                    for slot, view in zip(slots, views, strict=True):
+                        if slot:
+                            ring.unplace(slot - 1, view.nbytes)
+                raise
             return encode_frame(kind, message_id, meta, buffers, flags)
 
         try:

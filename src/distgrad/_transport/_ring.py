@@ -71,6 +71,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy
 
@@ -206,6 +207,11 @@ def _forked() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
+#: the weak references that free lent buffers, by ``id``: held here, not by their reader, so
+#: that a reader dropped with its connection (and collected) still frees -- and counts -- what
+#: its tensors held when they die (the reader and its mapping live as long as those tensors)
+_lent_refs: dict[int, weakref.ref[Any]] = {}
+
 
 def _count_lent(nbytes: int) -> None:
     global _lent
@@ -286,9 +292,9 @@ class RingWriter:
         if not self._faulted:
             self._fault_in()
         view_ = self._view
-        view_[at : at + k] = _ONES[:k] if k <= 4096 else b"\x01" * k
         start = self._header + (at << _CHUNK_SHIFT)
         view_[start : start + n] = view  # (a memcpy; cheaper than a foreign call here)
+        view_[at : at + k] = _ONES[:k] if k <= 4096 else b"\x01" * k  # (only this side reads)
         return at << _CHUNK_SHIFT
 
     def unplace(self, position: int, n: int) -> None:
@@ -340,8 +346,6 @@ class RingReader:
         self._view = memoryview(self._map)
         #: this side's record of the chunks it holds (never read from the shared header)
         self._held = bytearray(announced // CHUNK)
-        #: the lent buffers alive, by first chunk: the weak references that free them
-        self._lent: dict[int, weakref.ref[numpy.ndarray]] = {}
         #: chunks lent now, and the most that may be: half the ring, so that tensors kept for
         #: long (a parameter server's, a replay buffer's) leave the other half to the traffic
         #: -- buffers past it are copied out and freed at once
@@ -386,8 +390,13 @@ class RingReader:
                 pass
         start = self._header + position
         if lend:
-            array = numpy.frombuffer(self._view[start : start + n], dtype=numpy.uint8)
-            self._lent[at] = weakref.ref(array, functools.partial(self._died, at, end))
+            try:
+                array = numpy.frombuffer(self._view[start : start + n], dtype=numpy.uint8)
+                ref = weakref.ref(array, functools.partial(self._died, at, end))
+            except BaseException:
+                self._free(at, end, lent=True)
+                raise
+            _lent_refs[id(ref)] = ref
             _count_lent((end - at) << _CHUNK_SHIFT)
             return memoryview(array)  # type: ignore[arg-type]
         out = numpy.empty(n, dtype=numpy.uint8)
@@ -400,10 +409,10 @@ class RingReader:
         """Chunks this side holds now (those of the lent buffers alive)."""
         return len(self._held) - self._held.count(0)
 
-    def _died(self, at: int, end: int, _ref: object) -> None:
+    def _died(self, at: int, end: int, ref: object) -> None:
+        _lent_refs.pop(id(ref), None)
         if self._fork != _forks:  # (a forked child's copy of the tensor: the parent's frees)
             return
-        self._lent.pop(at, None)
         self._free(at, end, lent=True)
         _count_lent(-((end - at) << _CHUNK_SHIFT))
 
