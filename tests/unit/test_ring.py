@@ -181,13 +181,20 @@ def test_a_forked_child_dropping_a_lent_tensor_does_not_free_it() -> None:
     pid = os.fork()
     if pid == 0:  # the child: drop its copy of the tensor, then leave without clean-up
         try:
+            refs = len(_ring._lent_refs)
             del tensor
-            gc.collect()
-            os._exit(0 if reader.held() == 25 and _ring.lent_bytes() == 0 else 1)
+            fired = len(_ring._lent_refs) == refs - 1  # (its weak reference's callback ran)
+            os._exit(0 if fired and reader.held() == 25 and _ring.lent_bytes() == 0 else 1)
         finally:
             os._exit(2)
-    _pid, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
     assert writer.chunks_in_use() == reader.held() == 25  # (still the parent's)
     assert writer.place(memoryview(pattern(SIZE - 100_000, 2))) == -1
     assert bytes(tensor.numpy()) == bytes(data)
