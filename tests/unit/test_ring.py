@@ -202,6 +202,27 @@ def test_a_forked_child_dropping_a_lent_tensor_does_not_free_it() -> None:
     assert writer.chunks_in_use() == reader.held() == 0
 
 
+def test_a_child_forked_while_the_ring_lock_is_held_can_still_count() -> None:
+    """The process-wide lock of the ring counters is made anew in a forked child: one held by
+    a thread of the parent at the fork would otherwise never be released there."""
+    with _ring._budget_lock:  # (held, as by another thread, when the fork happens)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _ring._count_lent(4096)  # (would block forever on the copied, held lock)
+                os._exit(0 if _ring.lent_bytes() == 4096 else 1)
+            finally:
+                os._exit(2)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child blocked on the ring counters' lock")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_a_receiver_that_does_not_lend_copies_and_frees_at_once() -> None:
     """With lending off (``DISTGRAD_SHM_RING_LEND=0``), a buffer is copied out and its space
     freed before it is handed out: what the sender writes there next does not change it."""

@@ -490,7 +490,7 @@ class Connection:
     ) -> None:
         """Write one frame's pieces, in order with every other frame on this connection.
         ``place``: makes the pieces instead, under the lock (the frame names buffers it put in
-        the ring, which must be written in the order they were placed)."""
+        the ring: one placer at a time over the ring's chunks)."""
         with self._lock:
             if self.closed:  # nothing of this frame was written: the peer cannot have it
                 error = self.broken_error()

@@ -199,9 +199,10 @@ _forks = 0
 
 
 def _forked() -> None:
-    global _forks, _lent
+    global _forks, _lent, _budget_lock
     _forks += 1
     _lent = 0
+    _budget_lock = threading.Lock()  # (another thread of the parent may have held it)
 
 
 if hasattr(os, "register_at_fork"):
