@@ -162,6 +162,8 @@ def test_the_leader_of_all_gather_returns_when_a_follower_leaves_before_its_answ
     with open_world(2, faults=[lost]) as world:
         gathered = world.run(lambda r: rpc.api._all_gather(r * 10))
         assert world.faults is not None
-        assert len(world.faults.fired("break")) == 1
-        world.kill(1)  # (the in-memory transport takes a lost link for a dead peer)
+        # (worker1 is still there: the leader sends the result again, a few times at most,
+        # since it cannot tell whether it arrived; worker1 has it already and ignores it)
+        assert 1 <= len(world.faults.fired("break")) <= 6
+        world.kill(1)
     assert gathered == [{"worker0": 0, "worker1": 10}] * 2
