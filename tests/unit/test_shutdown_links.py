@@ -3,9 +3,9 @@ CI): a link between two live members that breaks during the shutdown's gather --
 request lost on the way, its answer lost, the result never delivered, one member frozen past
 ``peer_timeout`` and thawed -- gives up no one; every member shuts down gracefully. The round
 is run again under its key (a part sent twice counts once; a leader answers a part of a round
-it finished with the result; a follower ignores a result it has). A member that stays frozen
-fails the others' shutdown within the bound (before: the leader waited for ever). On
-in-memory worlds with fault injection."""
+it finished with the result; a follower ignores a result it has; a leader sends the result
+again to a follower that answers). A member that stays frozen ends the others' shutdown by
+its timeout, no later. On in-memory worlds with fault injection."""
 
 from __future__ import annotations
 
@@ -54,9 +54,8 @@ def _shut_down(world: World, rank: int, outcome: dict[int, str]) -> None:
 def test_a_member_frozen_in_its_shutdown_gives_up_no_one() -> None:
     """worker1 waits in shutdown (its part sent to worker0, the leader, still busy); worker1
     freezes past peer_timeout -- worker0 drops its link as silent -- and thaws: its own stall
-    condemns no one: it finds the link gone and worker0 answering a fresh one, and waits on;
-    then worker0 and worker2 shut down: all three do, gracefully. (What waits on a member
-    while it is frozen fails, by design: the next test.)"""
+    condemns no one: it waits on, and worker0 connects to it again; then worker0 and worker2
+    shut down: all three do, gracefully."""
     options = world_options(heartbeat_interval=0.1, peer_timeout=0.5, rpc_timeout=0)
     with open_world(3, options=options, faults=[], timeout=30) as world:
         assert world.faults is not None
@@ -85,9 +84,12 @@ def test_a_member_frozen_in_its_shutdown_gives_up_no_one() -> None:
         assert any(e[:2] == (1, "recovered") for e in events.peer_events), events.peer_events
 
 
-def test_a_member_that_stays_frozen_fails_the_shutdown_within_the_bound() -> None:
-    """worker1 stays frozen: worker0 (the leader, with a link to it) and worker2 (without)
-    fail their shutdown naming it, within peer_timeout plus a handshake timeout (+ slack)."""
+def test_a_member_that_stays_frozen_ends_the_others_shutdown_by_its_timeout() -> None:
+    """worker1 stays frozen; worker0 (the leader, with a link to it) and worker2 shut down with
+    a 2 s timeout. The retries added for broken links do not stretch it: each fails within
+    the timeout (+ slack), naming worker1 (a reconnect to it that failed) or the timeout. A
+    member only suspected is waited for, as one slow to arrive is (failure-semantics.md,
+    "Shutdown")."""
     options = world_options(heartbeat_interval=0.1, peer_timeout=0.5, rpc_timeout=0)
     with open_world(3, options=options, faults=[], timeout=20) as world:
         assert world.faults is not None
@@ -98,7 +100,11 @@ def test_a_member_that_stays_frozen_fails_the_shutdown_within_the_bound() -> Non
         took: dict[int, float] = {}
 
         def member(rank: int) -> None:
-            _shut_down(world, rank, outcome)
+            try:
+                world.leave(rank, timeout=2.0)
+                outcome[rank] = "ok"
+            except Exception as exc:
+                outcome[rank] = repr(exc)
             took[rank] = time.monotonic() - started
 
         try:
@@ -107,5 +113,7 @@ def test_a_member_that_stays_frozen_fails_the_shutdown_within_the_bound() -> Non
             world.faults.thaw(1)
             world.kill(1)
         for rank in (0, 2):
-            assert "PeerFailureError" in outcome[rank] and "worker1" in outcome[rank], outcome
-            assert took[rank] < 0.5 + 0.5 + 2.0, took
+            assert ("PeerFailureError" in outcome[rank] and "worker1" in outcome[rank]) or (
+                "RpcTimeoutError" in outcome[rank]
+            ), outcome
+            assert took[rank] < 2.0 + 1.5, took

@@ -115,15 +115,13 @@ def _require_agent() -> RpcAgent:
 def _wait(
     agent: RpcAgent, event: threading.Event, ranks: list[int], deadline: float | None
 ) -> bool:
-    """Wait for ``event``; raise if one of ``ranks`` dies, or is suspected (its link was lost
-    without proof) and does not answer a fresh connection -- one that answers is there, and is
-    waited for; False at the deadline."""
-    transport = agent.transport
+    """Wait for ``event``; raise if one of ``ranks`` dies (or a reconnect to it failed a
+    moment ago); False at the deadline. A member that is only suspected (its link was lost
+    without proof: stopped, cut off, or this process stalled) is waited for, as a member that
+    is slow to arrive is."""
     while not event.wait(_POLL):
         for rank in ranks:
-            transport.check_alive(rank)
-            if transport.is_suspected(rank):
-                transport.connection(rank)  # (a handshake that fails raises)
+            agent.transport.check_alive(rank)
         if deadline is not None and time.monotonic() > deadline:
             return event.is_set()
     return True

@@ -66,8 +66,8 @@ def shutdown(graceful: bool = True, timeout: float = _config.DEFAULT_SHUTDOWN_TI
             "Leaking RRef ..." when forks of RRefs owned here were still registered.
         RpcTimeoutError: the graceful wait passed ``timeout`` (the agent is stopped anyway).
         PeerFailureError: a peer was lost during the graceful wait without being proved
-            dead and does not answer a fresh connection (suspected: stopped or cut off; it
-            may come back). A link that broke to a peer that answers is connected again.
+            dead, and a fresh connection to it failed (suspected: it may come back). A link
+            that broke while every peer still answers is connected again.
 
     Example:
         # The worker that does the work and the worker that serves it.
