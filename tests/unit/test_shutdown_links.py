@@ -117,3 +117,38 @@ def test_a_member_that_stays_frozen_ends_the_others_shutdown_by_its_timeout() ->
                 "RpcTimeoutError" in outcome[rank]
             ), outcome
             assert took[rank] < 2.0 + 1.5, took
+
+
+def test_a_part_sent_again_for_a_finished_round_is_answered_with_its_result() -> None:
+    """The leader keeps the last shutdown rounds it finished: a follower's part sent again
+    (its link broke after the round ended) is answered with the result; a result sent again
+    to a follower that has left the round creates no state there. A user's ``_all_gather``
+    leaves nothing behind on the leader."""
+    with open_world(2, timeout=20) as world:
+
+        def survivors_round(rank: int) -> dict[str, object]:
+            return _collectives.all_gather_survivors(rank * 10)
+
+        first = world.run(survivors_round)
+        assert first == [{"worker0": 0, "worker1": 10}] * 2
+        leader = _collectives._groups(world.agents[0])
+        (key,) = leader.done
+        again = world.run_on(
+            1,
+            rpc.rpc_sync,
+            "worker0",
+            _collectives._gather_to_leader,
+            (key, "worker1", 99, ["worker0", "worker1"]),
+        )
+        assert again == {"worker0": 0, "worker1": 10}  # the result, not a new round
+        assert leader.states == {}
+        world.run_on(
+            0,
+            rpc.rpc_sync,
+            "worker1",
+            _collectives._broadcast_to_followers,
+            (key, {"worker0": -1}),
+        )
+        assert _collectives._groups(world.agents[1]).states == {}
+        world.run(rpc.api._all_gather)
+        assert list(leader.done) == [key] and leader.states == {}

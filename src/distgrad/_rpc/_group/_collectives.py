@@ -45,8 +45,8 @@ class _Groups:
     def __init__(self) -> None:
         self.states: dict[str, _GatherState] = {}
         self.sequences: dict[tuple[str, ...], itertools.count[int]] = defaultdict(itertools.count)
-        #: the results of the last rounds this worker led, by key: a follower whose link broke
-        #: sends its part again, and is answered with the result if the round is over
+        #: the results of the last shutdown rounds this worker led, by key: a follower whose
+        #: link broke sends its part again, and is answered with the result if the round is over
         self.done: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
 
@@ -158,11 +158,18 @@ def _forget(agent: RpcAgent, key: str) -> None:
 
 
 def _gather_round(
-    agent: RpcAgent, key: str, names: list[str], obj: Any, timeout: float
+    agent: RpcAgent,
+    key: str,
+    names: list[str],
+    obj: Any,
+    timeout: float,
+    remember: bool = False,
 ) -> dict[str, Any]:
     """One round of the gather, under ``key``. It may be run again under the same key after a
     link to a live member broke (``all_gather_survivors``): the state is kept (the caller
-    forgets it), a part sent twice counts once, and a leader remembers the rounds it finished."""
+    forgets it), a part sent twice counts once, and with ``remember`` a leader keeps the
+    result of the rounds it finished, for a part sent again (the shutdown's objects are small;
+    a user's ``_all_gather`` is not run again, and holds nothing after it returns)."""
     me = agent.worker_info.name
     leader = names[0]
     deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -179,11 +186,12 @@ def _gather_round(
                 f"The first exception is no response from {missing[0]}"
             )
         gathered = dict(state.gathered)
-        groups = _groups(agent)
-        with _lock:
-            groups.done[key] = gathered
-            while len(groups.done) > _DONE_KEPT:
-                groups.done.popitem(last=False)
+        if remember:
+            groups = _groups(agent)
+            with _lock:
+                groups.done[key] = gathered
+                while len(groups.done) > _DONE_KEPT:
+                    groups.done.popitem(last=False)
         futures = [
             agent.call_async(
                 info, _broadcast_to_followers, (key, gathered), {}, timeout, internal=True
@@ -326,7 +334,7 @@ def all_gather_survivors(obj: Any, timeout: float = 0) -> dict[str, Any]:
                         f"shutdown timed out after {timeout:g}s waiting for {names}"
                     )
             try:
-                return _gather_round(agent, key, names, obj, left)
+                return _gather_round(agent, key, names, obj, left, remember=True)
             except PeerFailureError as exc:
                 if _survivors(agent) != names:
                     continue  # one of them is dead: gathered again without it
