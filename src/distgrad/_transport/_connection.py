@@ -14,8 +14,11 @@ thread holds the connection's read role at a time (``_poller``).
 A Unix socket is left in blocking mode and every read and write passes ``MSG_DONTWAIT``,
 except the read of a thread that holds the read role and waits for the next frame: it blocks
 in ``recv`` itself (``SO_RCVTIMEO`` bounds the wait). A ``poll`` and then a ``recv`` cost a
-same-host round trip ~25 µs more than one blocking ``recv`` (the wake-up through the poll
-table, and one more system call). A TCP socket's holder waits in ``poll``: over TCP a blocking
+same-host round trip ~20-25 µs more than one blocking ``recv`` (the wake-up through the poll
+table, and one more system call). The blocking ``recv`` often sleeps twice per answer: when the
+peer reads the frame this thread sent, the kernel wakes the socket's sleepers to say there is
+room to write, and the reader sleeps again; a ``poll`` for ``POLLIN`` would not wake, but the
+round trip is still slower with it (``benchmarks/README.md``, "Issue 28, sixth session"). A TCP socket's holder waits in ``poll``: over TCP a blocking
 ``recv`` wakes for each segment and read 16 MiB frames ~25 % slower between two network
 namespaces (its eager wake-ups take the data in smaller pieces).
 
