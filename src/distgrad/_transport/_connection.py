@@ -18,9 +18,10 @@ same-host round trip ~20-25 µs more than one blocking ``recv`` (the wake-up thr
 table, and one more system call). The blocking ``recv`` often sleeps twice per answer: when the
 peer reads the frame this thread sent, the kernel wakes the socket's sleepers to say there is
 room to write, and the reader sleeps again; a ``poll`` for ``POLLIN`` would not wake, but the
-round trip is still slower with it (``benchmarks/README.md``, "Issue 28, sixth session"). A TCP socket's holder waits in ``poll``: over TCP a blocking
-``recv`` wakes for each segment and read 16 MiB frames ~25 % slower between two network
-namespaces (its eager wake-ups take the data in smaller pieces).
+round trip is still slower with it (``benchmarks/README.md``, "Issue 28, sixth session").
+A TCP socket's holder waits in ``poll``: over TCP a blocking ``recv`` wakes for each segment
+and read 16 MiB frames ~25 % slower between two network namespaces (its eager wake-ups take
+the data in smaller pieces).
 
 Over a Unix socket, each side offers the other to read large buffers straight from its memory
 (``_memory``); once the peer accepts, buffers of at least ``CROSS_MEMORY_THRESHOLD`` bytes go
