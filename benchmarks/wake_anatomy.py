@@ -3,13 +3,14 @@
 Two measurements, no TensorPipe (``call_cost.py`` counts per process; this one explains):
 
 * ``pingpong``: a 52-byte request / 20-byte answer ping-pong between two Python processes over
-  a Unix socket pair, the answering side working ``--work`` µs (busy) before it answers, the
+  Unix socket pairs, the answering side working ``--work`` µs (busy) before it answers, the
   asking side waiting either in a blocking ``recv`` or in ``poll(POLLIN)`` then ``recv``.
   Prints the asking process's voluntary context switches (sleeps), CPU and wall per round
   trip. With work before the answer, a blocking ``recv`` sleeps twice per round trip: when the
   peer reads the request, the kernel frees its buffer and wakes every sleeper on the socket to
   say there is room to write (``unix_write_space``); the reader finds no data and sleeps
-  again. ``poll`` waits only for the events it asks for.
+  again. ``poll`` waits only for the events it asks for; ``split`` (requests on one socket
+  pair, answers on another) gives the kernel no sleeper to wake.
 * ``threads``: a real 2-process distgrad group (``_common.run_group``) making ``--calls``
   ``rpc_sync`` no-ops; per thread of each process (named from the process's own
   ``threading.enumerate()``), its sleeps per call, and each process's user and system CPU per
@@ -54,33 +55,37 @@ def _receive(sock: socket.socket, poller: Any, mode: str) -> bytes:
 
 
 def pingpong(mode: str, work_us: float, rounds: int) -> dict[str, float]:
-    """One run; the asking process's figures per round trip."""
+    """One run; the asking process's figures per round trip. ``mode``: ``recv`` or ``poll``
+    (how the asking side waits), or ``split``: a blocking ``recv``, but each side writes on
+    one socket pair and reads on another (no one sleeps on a socket it writes to)."""
     asking, answering = socket.socketpair()
+    asked, answered = asking, answering  # (the answers' pair)
+    if mode == "split":
+        asked, answered = socket.socketpair()
     pid = os.fork()
     if pid == 0:  # the answering process: read, work, answer
-        asking.close()
         for _ in range(rounds + 1000):
             if not answering.recv(256):
                 break
             _spin(work_us * 1e-6)
-            answering.send(b"a" * 20)
+            answered.send(b"a" * 20)
         os._exit(0)
-    answering.close()
     poller = select.poll()
-    poller.register(asking, select.POLLIN)
+    poller.register(asked, select.POLLIN)
     try:
         for _ in range(1000):  # warm
             asking.send(b"q" * 52)
-            _receive(asking, poller, mode)
+            _receive(asked, poller, mode)
         before = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
         for _ in range(rounds):
             asking.send(b"q" * 52)
-            _receive(asking, poller, mode)
+            _receive(asked, poller, mode)
         wall = time.perf_counter() - started
         after = resource.getrusage(resource.RUSAGE_SELF)
     finally:
-        asking.close()
+        for sock in {asking, answering, asked, answered}:
+            sock.close()
         os.waitpid(pid, 0)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {
@@ -160,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.part == "pingpong":
         for work in sorted({0.0, args.work}):
-            for mode in ("recv", "poll", "recv", "poll"):
+            for mode in ("recv", "poll", "split", "split", "poll", "recv"):
                 got = pingpong(mode, work, args.rounds)
                 print(
-                    f"work {work:4.0f} µs, wait in {mode:4}: {got['wall_us']:6.1f} µs per round "
+                    f"work {work:4.0f} µs, {mode:5}: {got['wall_us']:6.1f} µs per round "
                     f"trip, {got['cpu_us']:5.1f} µs CPU, {got['sleeps']:.3f} sleeps"
                 )
         return 0
