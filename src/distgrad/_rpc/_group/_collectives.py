@@ -312,6 +312,9 @@ def all_gather_survivors(obj: Any, timeout: float = 0) -> dict[str, Any]:
     tries = 0
     try:
         while True:
+            if names and deadline is not None and time.monotonic() >= deadline:
+                # (before _survivors: its connects to a stopped member wait a handshake out)
+                raise RpcTimeoutError(f"shutdown timed out after {timeout:g}s waiting for {names}")
             found = _survivors(agent)
             if found != everyone:
                 gone = sorted(set(everyone) - set(found))
@@ -336,6 +339,10 @@ def all_gather_survivors(obj: Any, timeout: float = 0) -> dict[str, Any]:
             try:
                 return _gather_round(agent, key, names, obj, left, remember=True)
             except PeerFailureError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RpcTimeoutError(
+                        f"shutdown timed out after {timeout:g}s waiting for {names} ({exc})"
+                    ) from exc
                 if _survivors(agent) != names:
                     continue  # one of them is dead: gathered again without it
                 me = agent.worker_info.name
