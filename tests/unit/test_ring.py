@@ -187,19 +187,25 @@ def test_a_forked_child_dropping_a_lent_tensor_does_not_free_it() -> None:
             os._exit(0 if fired and reader.held() == 25 and _ring.lent_bytes() == 0 else 1)
         finally:
             os._exit(2)
+    assert _exit_code(pid, "the forked child did not finish") == 0
+    assert writer.chunks_in_use() == reader.held() == 25  # (still the parent's)
+    assert writer.place(memoryview(pattern(SIZE - 100_000, 2))) == -1
+    assert bytes(tensor.numpy()) == bytes(data)
+    del tensor
+    assert writer.chunks_in_use() == reader.held() == 0
+
+
+def _exit_code(pid: int, stuck: str) -> int:
+    """Wait at most 30 s for forked child ``pid``; its exit code (killed, and the test failed
+    with ``stuck``, past the wait)."""
     deadline = time.monotonic() + 30
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     if done[0] == 0:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
-        pytest.fail("the forked child did not finish")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
-    assert writer.chunks_in_use() == reader.held() == 25  # (still the parent's)
-    assert writer.place(memoryview(pattern(SIZE - 100_000, 2))) == -1
-    assert bytes(tensor.numpy()) == bytes(data)
-    del tensor
-    assert writer.chunks_in_use() == reader.held() == 0
+        pytest.fail(stuck)
+    return os.waitstatus_to_exitcode(done[1])
 
 
 def test_a_child_forked_while_the_ring_lock_is_held_can_still_count() -> None:
@@ -213,14 +219,7 @@ def test_a_child_forked_while_the_ring_lock_is_held_can_still_count() -> None:
                 os._exit(0 if _ring.lent_bytes() == 4096 else 1)
             finally:
                 os._exit(2)
-    deadline = time.monotonic() + 30
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child blocked on the ring counters' lock")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert _exit_code(pid, "the forked child blocked on the ring counters' lock") == 0
 
 
 def test_a_receiver_that_does_not_lend_copies_and_frees_at_once() -> None:

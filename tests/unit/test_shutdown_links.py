@@ -1,7 +1,8 @@
 """Graceful shutdown across broken links (the flake of test_failure_bound's e2e test, seen in
 CI): a link between two live members that breaks during the shutdown's gather -- its
 request lost on the way, its answer lost, the result never delivered, one member frozen past
-``peer_timeout`` and thawed -- gives up no one; every member shuts down gracefully. The round
+``peer_timeout`` and thawed -- gives up no one; every member shuts down gracefully (so does a
+part or a result duplicated or late). The round
 is run again under its key (a part sent twice counts once; a leader answers a part of a round
 it finished with the result; a follower ignores a result it has; a leader sends the result
 again to a follower that answers). A member that stays frozen ends the others' shutdown by
@@ -27,6 +28,9 @@ FAULTS = {
     "result-not-sent-twice": Fault("break", function=BROADCAST, dst=1, times=2),
     "result-lost-after-sending": Fault("lose", function=BROADCAST, dst=2, nth=1),
     "second-gather-part-lost": Fault("lose", function=GATHER, src=1, nth=2),
+    "part-duplicated": Fault("duplicate", function=GATHER, src=2, nth=1),
+    "result-duplicated": Fault("duplicate", function=BROADCAST, dst=1, nth=1),
+    "result-late": Fault("delay", function=BROADCAST, dst=2, nth=1, seconds=0.3),
 }
 
 
