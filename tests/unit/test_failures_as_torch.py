@@ -308,3 +308,59 @@ def test_rref_rpc_async_proxy_to_a_dead_owner_returns_a_failed_future() -> None:
         world.kill(1)
         assert world.run(after, ranks=[0]) == ["failed future"]
         held.clear()
+
+
+#: the steps of the next test: worker1 serves; its stop began; worker1's function failed
+_SERVING, _STOPPING, _FAILED = threading.Event(), threading.Event(), threading.Event()
+
+
+def calls_on_while_stopping() -> int:
+    """Served by worker1: once its stop began, call worker2 (which fails: RPC no longer runs
+    here), and raise that error as the request's answer."""
+    _SERVING.set()
+    try:
+        assert _STOPPING.wait(5.0), "the stop never began"
+        return rpc.rpc_sync("worker2", add, args=(1, 1))  # type: ignore[no-any-return]
+    finally:
+        _FAILED.set()
+
+
+def test_a_worker_stopped_without_grace_answers_nothing() -> None:
+    """A request a worker was serving when its stop without grace began gets no answer, as in
+    torch ("won't send response ... as the agent is shutting down"): its caller sees the worker
+    die (named), never the worker's own "RPC is no longer running on this node". (It went out
+    when the served function failed between the stop's start and the connections' close: a
+    distributed backward through a killed worker then failed naming only "Node 2".) The stop is
+    held at that point here, until the function's error could have been answered."""
+    for event in (_SERVING, _STOPPING, _FAILED):
+        event.clear()
+    with open_world(3, timeout=10) as world:
+        transport = world.agents[1].transport
+        assert transport is not None
+        close = transport.close
+        answered: list[Any] = []
+
+        def held_close(graceful: bool) -> None:
+            _STOPPING.set()  # the stop began (STOPPING): the connections are still open
+            assert _FAILED.wait(5.0), "worker1's function did not end"
+            deadline = time.monotonic() + 0.5  # time for an answer to arrive, if one is sent
+            while not answered[0].done() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            close(graceful)
+
+        transport.close = held_close  # type: ignore[method-assign]
+
+        def body(rank: int) -> str:
+            future = rpc.rpc_async("worker1", calls_on_while_stopping)
+            answered.append(future)
+            assert _SERVING.wait(5.0)
+            killer = threading.Thread(target=world.kill, args=(1,), daemon=True)
+            killer.start()
+            with pytest.raises(RuntimeError) as failure:
+                future.wait()
+            killer.join(5.0)
+            return str(failure.value)
+
+        message = world.run(body, ranks=[0])[0]
+        assert "no longer running" not in message, message
+        assert "worker1" in message, message

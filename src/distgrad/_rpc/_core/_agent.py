@@ -672,9 +672,13 @@ class RpcAgent:
     # -- shutdown --------------------------------------------------------------------------------
     def stop(self, *, graceful: bool) -> None:
         """Close connections (flushing first when ``graceful``), fail what still waits, and end
-        every thread the agent owns. Idempotent."""
+        every thread the agent owns. Idempotent. Without grace, no response goes out once the
+        stop began (as torch's agent): the peers see the connections close, as from a worker
+        that died, never an answer made of this stop."""
         if self.state.stopped:
             return
+        if not graceful:
+            self._shared.silenced = True  # (before STOPPING: an error made of the stop is not sent)
         self.state = AgentState.STOPPING
         if graceful:
             # Requests being served finish and write their responses before the connections

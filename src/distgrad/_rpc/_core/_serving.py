@@ -495,6 +495,13 @@ class Serving:
         buffers: list[pickle.PickleBuffer] | None = None,
         flags: int = 0,
     ) -> None:
+        if self._shared.silenced:
+            _log.debug(
+                "not sending the response to request #%d to %s: RPC is shutting down without grace",
+                message_id,
+                conn.peer_label,
+            )
+            return
         size = len(meta)
         if buffers:
             for buffer in buffers:  # (a loop: a generator costs more for one or two)

@@ -27,6 +27,11 @@ class Shared:
     state: AgentState = AgentState.CREATED
     #: ``state.stopped``, kept beside it (read on every call's path: no property call)
     stopped: bool = False
+    #: a stop without grace began: no response goes out any more, as from a worker that died
+    #: (torch's agent "won't send response to request #N ... as the agent is shutting down"),
+    #: so no answer made of this worker's own stop -- "RPC is no longer running on this node"
+    #: -- reaches a peer, which sees the connection close instead
+    silenced: bool = False
     #: the transport, once the agent started it
     transport: Transport | None = None
     #: whether the transport wants a ``MessageInfo`` with each frame (fault injection)
