@@ -6,15 +6,26 @@ in the same invocation as the RPCs they compare with it.
 ``pin=(a, b)`` runs the two processes pinned to CPUs ``a`` and ``b`` (``taskset``-like): on
 different cores each message costs a cross-core wake-up, the floor an RPC between two processes
 on two cores cannot go under; unpinned, a quiet scheduler may put both on one core, where a
-wake-up is cheap."""
+wake-up is cheap.
+
+:func:`minimal_rpc` is the floor of a *Python* RPC: the same two processes, but each message is
+a request an RPC library must at least make -- ``(function, args, kwargs)`` pickled behind a
+16-byte header, unpickled and called on the other side, its result pickled back -- with no
+threads, timeouts, call table, statistics or failure detection. Its CPU per call on each side
+is what a pure-Python message path cannot go under on the machine."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import resource
 import socket
+import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 MESSAGE = 16
 
@@ -35,6 +46,117 @@ while True:
         got += n
     sock.sendall(buf)
 """
+
+
+# The other process of minimal_rpc: serve every request until the socket closes; then print its
+# CPU time and voluntary context switches per request served after the first ``warmup``.
+_SERVE = """
+import json, os, pickle, resource, socket, struct, sys
+sys.path.insert(0, sys.argv[2])
+if len(sys.argv) > 4:
+    os.sched_setaffinity(0, {int(sys.argv[4])})
+header = struct.Struct("<QQ")
+warmup = int(sys.argv[3])
+sock = socket.socket(fileno=int(sys.argv[1]))
+recv_into, sendall, loads, dumps = sock.recv_into, sock.sendall, pickle.loads, pickle.dumps
+buf = bytearray(1 << 16)
+view = memoryview(buf)
+served, start = 0, None
+while True:
+    got = 0
+    while got < 16:
+        n = recv_into(view[got:])
+        if n == 0:
+            end = resource.getrusage(resource.RUSAGE_SELF)
+            calls = max(1, served - warmup)
+            print(json.dumps({
+                "user_us": (end.ru_utime - start.ru_utime) / calls * 1e6,
+                "sys_us": (end.ru_stime - start.ru_stime) / calls * 1e6,
+                "sleeps": (end.ru_nvcsw - start.ru_nvcsw) / calls,
+            }) if start is not None else "{}", flush=True)
+            sys.exit(0)
+        got += n
+    message_id, length = header.unpack_from(buf)
+    while got < 16 + length:
+        got += recv_into(view[got:])
+    func, args, kwargs = loads(view[16:16 + length])
+    body = dumps(func(*args, **(kwargs or {})), 5)
+    sendall(header.pack(message_id, len(body)) + body)
+    served += 1
+    if served == warmup:
+        start = resource.getrusage(resource.RUSAGE_SELF)
+"""
+
+_HEADER = struct.Struct("<QQ")
+
+
+def noop() -> None:
+    """What :func:`minimal_rpc` calls."""
+
+
+def minimal_rpc(
+    iters: int = 20000, warmup: int = 2000, pin: tuple[int, int] | None = None
+) -> tuple[list[float], dict[str, float]]:
+    """Round-trip times (µs) of a no-op call (:func:`noop`) made the least way a Python RPC
+    can, to a child process over a Unix socket; and each side's CPU (``caller_user_us``,
+    ``caller_sys_us``, ``callee_user_us``, ``callee_sys_us``) and voluntary context switches
+    (``caller_sleeps``, ``callee_sleeps``) per call. ``pin`` as for :func:`pingpong_us`."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    here = str(Path(__file__).resolve().parent)
+    argv = [sys.executable, "-c", _SERVE, str(theirs.fileno()), here, str(warmup)]
+    previous = None
+    if pin is not None:
+        argv.append(str(pin[1]))
+        previous = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {pin[0]})
+    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, text=True)
+    theirs.close()
+    func = noop
+    if __name__ == "__main__":  # (by the module's name, which the child imports)
+        import _pingpong
+
+        func = _pingpong.noop
+    cpu: dict[str, float] = {}
+    try:
+        buf = bytearray(1 << 16)
+        view = memoryview(buf)
+        clock = time.perf_counter_ns
+        recv_into, sendall, loads, dumps = mine.recv_into, mine.sendall, pickle.loads, pickle.dumps
+        samples: list[float] = []
+        start = resource.getrusage(resource.RUSAGE_THREAD)
+        for i in range(warmup + iters):
+            if i == warmup:
+                start = resource.getrusage(resource.RUSAGE_THREAD)
+            t0 = clock()
+            body = dumps((func, (), None), 5)
+            sendall(_HEADER.pack(i, len(body)) + body)
+            got = 0
+            while got < 16 or got < 16 + _HEADER.unpack_from(buf)[1]:
+                n = recv_into(view[got:])
+                if n == 0:
+                    raise RuntimeError("the serving process exited")
+                got += n
+            loads(view[16:got])
+            if i >= warmup:
+                samples.append((clock() - t0) / 1e3)
+        end = resource.getrusage(resource.RUSAGE_THREAD)
+        cpu = {
+            "caller_user_us": (end.ru_utime - start.ru_utime) / iters * 1e6,
+            "caller_sys_us": (end.ru_stime - start.ru_stime) / iters * 1e6,
+            "caller_sleeps": (end.ru_nvcsw - start.ru_nvcsw) / iters,
+        }
+    finally:
+        if previous is not None:
+            os.sched_setaffinity(0, previous)
+        mine.close()
+        try:
+            out, _ = child.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, _ = child.communicate()
+    served = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+    cpu.update({f"callee_{key}": value for key, value in served.items()})
+    return samples, cpu
 
 
 def pin_pair() -> tuple[int, int] | None:
@@ -92,7 +214,19 @@ def pingpong_us(
 if __name__ == "__main__":
     import statistics
 
+    def show(label: str, found: tuple[list[float], dict[str, float]]) -> None:
+        times, cpu = found
+        print(
+            f"{label}: median {statistics.median(times):.2f} µs; CPU per call caller "
+            f"{cpu['caller_user_us']:.1f} + {cpu['caller_sys_us']:.1f} µs (user + sys), "
+            f"{cpu['caller_sleeps']:.2f} sleeps; callee {cpu.get('callee_user_us', 0):.1f} + "
+            f"{cpu.get('callee_sys_us', 0):.1f} µs, {cpu.get('callee_sleeps', 0):.2f} sleeps"
+        )
+
     print(f"ping-pong median {statistics.median(pingpong_us()):.2f} µs")
     pair = pin_pair()
     if pair is not None:
         print(f"pinned to CPUs {pair}: median {statistics.median(pingpong_us(pin=pair)):.2f} µs")
+    show("minimal Python RPC", minimal_rpc())
+    if pair is not None:
+        show(f"minimal Python RPC pinned to CPUs {pair}", minimal_rpc(pin=pair))

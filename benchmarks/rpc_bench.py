@@ -21,7 +21,9 @@ interleaved in rounds (torch, distgrad, torch, distgrad, ...) so that drift on a
 machine affects both alike, and every figure is a median over the samples of all rounds.
 Every round also measures the floor under both (with ``latency``): a 16-byte ping-pong between
 two Python processes over a Unix socket, blocking I/O (``_pingpong.py``); each
-implementation's ``rpc_sync`` median is reported as a multiple of it.
+implementation's ``rpc_sync`` median is reported as a multiple of it. And the floor of a Python
+RPC: the least a call can do (pickled request behind a header, unpickled and called, its result
+pickled back; ``_pingpong.minimal_rpc``), with its CPU per call on each side.
 See benchmarks/README.md for what each metric means and the targets.
 """
 
@@ -57,7 +59,7 @@ from _common import (
     snapshot_package,
     write_json,
 )
-from _pingpong import pin_pair, pingpong_us
+from _pingpong import minimal_rpc, pin_pair, pingpong_us
 
 METRICS = ("latency", "async", "echo")
 DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB"
@@ -453,6 +455,22 @@ def build_rows(samples: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> list[
                     "status": status,
                 }
             )
+        for key, where in (("minimal_rpc_us", ""), ("minimal_rpc_pinned_us", " on 2 cores")):
+            floor = samples.get("floor", {}).get(key, [])
+            if floor:  # (no target: how far each is from what a Python RPC cannot go under)
+                pp = median(floor)
+                rows.append(
+                    {
+                        "metric": f"rpc_sync no-op / minimal Python RPC{where} ({_fmt(pp)} µs)",
+                        "unit": "x floor",
+                        "torch": _ratio(median(lat_t), pp),
+                        "distgrad": _ratio(median(lat_d), pp),
+                        "ratio": _ratio(median(lat_d), median(lat_t)),
+                        "better": "lower",
+                        "target": "",
+                        "status": "",
+                    }
+                )
     if "async" in cfg["only"]:
         add(
             f"rpc_async throughput, {cfg['async_calls']} in flight",
@@ -561,6 +579,23 @@ def print_report(
             "16-byte Unix-socket ping-pong between two Python processes, per round (µs): "
             + ", ".join(f"r{g['round']} {g['median_us']:.1f}" for g in floors)
         )
+    for impl in ("minimal RPC", "minimal RPC pinned"):
+        floors = [g for g in per_round if g["impl"] == impl]
+        if floors:
+            print(
+                f"{impl}, per round (µs): "
+                + ", ".join(f"r{g['round']} {g['median_us']:.1f}" for g in floors)
+            )
+    cpus = samples.get("floor", {}).get("minimal_rpc_cpu", [])
+    for pinned, label in ((0.0, "minimal RPC"), (1.0, "minimal RPC pinned")):
+        found = [c for c in cpus if c.get("pinned") == pinned]
+        if found:
+            merged = {
+                k: median([c[k] for c in found if k in c])
+                for k in ("caller_user_us", "caller_sys_us", "callee_user_us", "callee_sys_us")
+                if any(k in c for c in found)
+            }
+            print(f"{label}, CPU per call, median over rounds: {_cpu_text(merged)}")
     per_round = [g for g in per_round if g["impl"] != "ping-pong"]
     rounds = max((g["round"] for g in per_round), default=0)
     columns = [(impl, r) for impl in IMPLEMENTATIONS for r in range(1, rounds + 1)]
@@ -615,6 +650,16 @@ def run_rounds(
         return _run_rounds(args, cfg, placement, pinned)
 
 
+def _cpu_text(cpu: dict[str, float]) -> str:
+    """A minimal RPC's CPU per call on each side, as printed."""
+    return (
+        f"caller {cpu.get('caller_user_us', math.nan):.1f} + "
+        f"{cpu.get('caller_sys_us', math.nan):.1f} µs (user + sys), "
+        f"callee {cpu.get('callee_user_us', math.nan):.1f} + "
+        f"{cpu.get('callee_sys_us', math.nan):.1f} µs"
+    )
+
+
 def _run_rounds(
     args: argparse.Namespace,
     cfg: dict[str, Any],
@@ -622,7 +667,13 @@ def _run_rounds(
     env: dict[str, str],
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     samples = {impl: _new_samples() for impl in IMPLEMENTATIONS}
-    samples["floor"] = {"pingpong_us": [], "pingpong_pinned_us": []}
+    samples["floor"] = {
+        "pingpong_us": [],
+        "pingpong_pinned_us": [],
+        "minimal_rpc_us": [],
+        "minimal_rpc_pinned_us": [],
+        "minimal_rpc_cpu": [],
+    }
     pins = pin_pair()
     per_round: list[dict[str, Any]] = []
     timeout = args.group_timeout or group_timeout(cfg)
@@ -643,6 +694,26 @@ def _run_rounds(
                 print(
                     f"  round {rnd}/{args.rounds} ping-pong pinned to CPUs {pins}: "
                     f"{median(pp):.1f} µs",
+                    flush=True,
+                )
+            for pin in (None, pins) if pins is not None else (None,):
+                times, cpu = minimal_rpc(cfg["pp_iters"], cfg["pp_warmup"], pin=pin)
+                key = "minimal_rpc_us" if pin is None else "minimal_rpc_pinned_us"
+                samples["floor"][key] += times
+                cpu["pinned"] = float(pin is not None)
+                samples["floor"]["minimal_rpc_cpu"].append(cpu)
+                per_round.append(
+                    {
+                        "round": rnd,
+                        "impl": "minimal RPC" + ("" if pin is None else " pinned"),
+                        "ok": True,
+                        "median_us": median(times),
+                    }
+                )
+                print(
+                    f"  round {rnd}/{args.rounds} minimal Python RPC"
+                    f"{'' if pin is None else f' pinned to CPUs {pin}'}: {median(times):.1f} µs, "
+                    f"CPU per call {_cpu_text(cpu)}",
                     flush=True,
                 )
         # ABBA order (torch, distgrad, distgrad, torch, ...): interleaved, and linear drift
