@@ -132,7 +132,9 @@ def death_mid_join(port: int) -> None:
     seen: dict[str, Any] = {}
     procs = [spawn("w1", 1, port)]
     try:
-        wait_for(lambda: names() == ["w0", "w1"], "w1 to join")
+        # (w1 is in the view before its join is committed and the token released: frozen
+        # before that, w1 itself would hold the token, and its join be rolled back)
+        wait_for(lambda: names() == ["w0", "w1"] and joined("w1"), "w1's join to complete")
         os.kill(procs[0].pid, signal.SIGSTOP)
         procs.append(spawn("w2", 2, port))
         wait_for(lambda: "w2" in names(), "w2 to tell w0 it joins")
@@ -195,6 +197,7 @@ def forker_call_owner() -> str:
 def forker(name: str, rank: int, port: int) -> None:
     """A member whose call carrying an RRef fails; it then leaves, timing its leave."""
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options(port))
+    _joined.set()
     _leave.wait(90)
     _forked.clear()
     started = time.monotonic()
@@ -216,7 +219,8 @@ def leave_after_failed_fork(port: int) -> None:
     try:
         wait_for(lambda: names() == ["w0", "w1"], "w1 to join")
         procs.append(spawn("w2", 2, port, "forker"))
-        wait_for(lambda: names() == ["w0", "w1", "w2"], "w2 to join")
+        # (complete, token released, before w1 freezes: see death_mid_join)
+        wait_for(lambda: names() == ["w0", "w1", "w2"] and joined("w2"), "w2's join to complete")
         rpc.rpc_sync("w2", forker_make_rref)
         os.kill(procs[0].pid, signal.SIGSTOP)
         seen["call"] = rpc.rpc_sync("w2", forker_call_owner, timeout=60)
@@ -277,7 +281,8 @@ def leader(port: int) -> None:
     seen: dict[str, Any] = {}
     procs = [spawn("w1", 1, port)]
     try:
-        wait_for(lambda: names() == ["w0", "w1"], "w1 to join")
+        # (complete, before w1 is killed: see death_mid_join)
+        wait_for(lambda: names() == ["w0", "w1"] and joined("w1"), "w1's join to complete")
         seen["w1"] = rpc.rpc_sync("w1", whoami)
         seen["step_2"] = step(["w1"])
         rref = rpc.remote("w1", torch.ones, args=(2,))
