@@ -25,6 +25,8 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 MESSAGE = 16
@@ -32,7 +34,7 @@ MESSAGE = 16
 # The other process: echo every 16-byte message until the socket closes.
 _ECHO = """
 import os, socket, sys
-if len(sys.argv) > 2:
+if sys.argv[2] != "-":
     os.sched_setaffinity(0, {int(sys.argv[2])})
 sock = socket.socket(fileno=int(sys.argv[1]))
 buf = bytearray(16)
@@ -52,11 +54,11 @@ while True:
 # CPU time and voluntary context switches per request served after the first ``warmup``.
 _SERVE = """
 import json, os, pickle, resource, socket, struct, sys
-sys.path.insert(0, sys.argv[2])
-if len(sys.argv) > 4:
-    os.sched_setaffinity(0, {int(sys.argv[4])})
+if sys.argv[2] != "-":
+    os.sched_setaffinity(0, {int(sys.argv[2])})
+sys.path.insert(0, sys.argv[3])
 header = struct.Struct("<QQ")
-warmup = int(sys.argv[3])
+warmup = int(sys.argv[4])
 sock = socket.socket(fileno=int(sys.argv[1]))
 recv_into, sendall, loads, dumps = sock.recv_into, sock.sendall, pickle.loads, pickle.dumps
 buf = bytearray(1 << 16)
@@ -101,23 +103,13 @@ def minimal_rpc(
     can, to a child process over a Unix socket; and each side's CPU (``caller_user_us``,
     ``caller_sys_us``, ``callee_user_us``, ``callee_sys_us``) and voluntary context switches
     (``caller_sleeps``, ``callee_sleeps``) per call. ``pin`` as for :func:`pingpong_us`."""
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    here = str(Path(__file__).resolve().parent)
-    argv = [sys.executable, "-c", _SERVE, str(theirs.fileno()), here, str(warmup)]
-    previous = None
-    if pin is not None:
-        argv.append(str(pin[1]))
-        previous = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {pin[0]})
-    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, text=True)
-    theirs.close()
     func = noop
     if __name__ == "__main__":  # (by the module's name, which the child imports)
         import _pingpong
 
         func = _pingpong.noop
-    cpu: dict[str, float] = {}
-    try:
+    here = str(Path(__file__).resolve().parent)
+    with _child(_SERVE, [here, str(warmup)], pin) as (mine, output):
         buf = bytearray(1 << 16)
         view = memoryview(buf)
         clock = time.perf_counter_ns
@@ -140,11 +132,37 @@ def minimal_rpc(
             if i >= warmup:
                 samples.append((clock() - t0) / 1e3)
         end = resource.getrusage(resource.RUSAGE_THREAD)
-        cpu = {
-            "caller_user_us": (end.ru_utime - start.ru_utime) / iters * 1e6,
-            "caller_sys_us": (end.ru_stime - start.ru_stime) / iters * 1e6,
-            "caller_sleeps": (end.ru_nvcsw - start.ru_nvcsw) / iters,
-        }
+    cpu = {
+        "caller_user_us": (end.ru_utime - start.ru_utime) / iters * 1e6,
+        "caller_sys_us": (end.ru_stime - start.ru_stime) / iters * 1e6,
+        "caller_sleeps": (end.ru_nvcsw - start.ru_nvcsw) / iters,
+    }
+    out = output[0].strip()
+    served = json.loads(out.splitlines()[-1]) if out else {}
+    cpu.update({f"callee_{key}": value for key, value in served.items()})
+    return samples, cpu
+
+
+@contextmanager
+def _child(
+    script: str, args: list[str], pin: tuple[int, int] | None
+) -> Iterator[tuple[socket.socket, list[str]]]:
+    """Run ``script`` in a child Python process with one end of a Unix socket pair (its fd,
+    then the CPU to pin to or ``-``, then ``args``); yield the other end, and a list that holds
+    the child's standard output once the block is left (the socket closed, the child waited
+    for at most 10 s, then killed). With ``pin``, this thread runs on CPU ``pin[0]`` meanwhile."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    where = "-" if pin is None else str(pin[1])
+    argv = [sys.executable, "-c", script, str(theirs.fileno()), where, *args]
+    previous = None
+    if pin is not None:
+        previous = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {pin[0]})
+    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, text=True)
+    theirs.close()
+    output: list[str] = []
+    try:
+        yield mine, output
     finally:
         if previous is not None:
             os.sched_setaffinity(0, previous)
@@ -154,9 +172,7 @@ def minimal_rpc(
         except subprocess.TimeoutExpired:
             child.kill()
             out, _ = child.communicate()
-    served = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
-    cpu.update({f"callee_{key}": value for key, value in served.items()})
-    return samples, cpu
+        output.append(out or "")
 
 
 def pin_pair() -> tuple[int, int] | None:
@@ -173,16 +189,7 @@ def pingpong_us(
 ) -> list[float]:
     """Round-trip times (µs), one per message, of 16 bytes to a child Python process and back;
     with ``pin``, this thread on CPU ``pin[0]`` and the child on ``pin[1]`` meanwhile."""
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    argv = [sys.executable, "-c", _ECHO, str(theirs.fileno())]
-    previous = None
-    if pin is not None:
-        argv.append(str(pin[1]))
-        previous = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {pin[0]})
-    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),))
-    theirs.close()
-    try:
+    with _child(_ECHO, [], pin) as (mine, _output):
         message = b"x" * MESSAGE
         buf = bytearray(MESSAGE)
         view = memoryview(buf)
@@ -200,15 +207,6 @@ def pingpong_us(
             if i >= warmup:
                 samples.append((clock() - t0) / 1e3)
         return samples
-    finally:
-        if previous is not None:
-            os.sched_setaffinity(0, previous)
-        mine.close()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
 
 
 if __name__ == "__main__":

@@ -572,23 +572,24 @@ def print_report(
         keys.append(("async_calls_per_s", "async (calls/s)"))
     if "echo" in cfg["only"]:
         keys += [(f"echo_{s}", f"echo {format_size(s)} (GB/s)") for s in cfg["sizes"]]
-    floors = [g for g in per_round if g["impl"] == "ping-pong"]
-    if floors:
+    if any(g["impl"] == "ping-pong" for g in per_round):
         print()
-        print(
-            "16-byte Unix-socket ping-pong between two Python processes, per round (µs): "
-            + ", ".join(f"r{g['round']} {g['median_us']:.1f}" for g in floors)
-        )
-    for impl in ("minimal RPC", "minimal RPC pinned"):
+    for impl, label in (
+        ("ping-pong", "16-byte Unix-socket ping-pong between two Python processes"),
+        ("minimal RPC", "minimal RPC"),
+        ("minimal RPC pinned", "minimal RPC pinned"),
+    ):
         floors = [g for g in per_round if g["impl"] == impl]
         if floors:
             print(
-                f"{impl}, per round (µs): "
+                f"{label}, per round (µs): "
                 + ", ".join(f"r{g['round']} {g['median_us']:.1f}" for g in floors)
             )
-    cpus = samples.get("floor", {}).get("minimal_rpc_cpu", [])
-    for pinned, label in ((0.0, "minimal RPC"), (1.0, "minimal RPC pinned")):
-        found = [c for c in cpus if c.get("pinned") == pinned]
+    for key, label in (
+        ("minimal_rpc_cpu", "minimal RPC"),
+        ("minimal_rpc_pinned_cpu", "minimal RPC pinned"),
+    ):
+        found = samples.get("floor", {}).get(key, [])
         if found:
             merged = {
                 k: median([c[k] for c in found if k in c])
@@ -672,7 +673,8 @@ def _run_rounds(
         "pingpong_pinned_us": [],
         "minimal_rpc_us": [],
         "minimal_rpc_pinned_us": [],
-        "minimal_rpc_cpu": [],
+        "minimal_rpc_cpu": [],  # (a dict per round, as minimal_rpc gives it)
+        "minimal_rpc_pinned_cpu": [],
     }
     pins = pin_pair()
     per_round: list[dict[str, Any]] = []
@@ -698,10 +700,9 @@ def _run_rounds(
                 )
             for pin in (None, pins) if pins is not None else (None,):
                 times, cpu = minimal_rpc(cfg["pp_iters"], cfg["pp_warmup"], pin=pin)
-                key = "minimal_rpc_us" if pin is None else "minimal_rpc_pinned_us"
-                samples["floor"][key] += times
-                cpu["pinned"] = float(pin is not None)
-                samples["floor"]["minimal_rpc_cpu"].append(cpu)
+                key = "minimal_rpc" if pin is None else "minimal_rpc_pinned"
+                samples["floor"][f"{key}_us"] += times
+                samples["floor"][f"{key}_cpu"].append(cpu)
                 per_round.append(
                     {
                         "round": rnd,
